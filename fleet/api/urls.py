@@ -1,0 +1,7 @@
+from rest_framework.routers import SimpleRouter
+
+from fleet.api.views import NodeViewSet
+
+router = SimpleRouter()
+router.register("nodes", NodeViewSet, basename="node")
+urlpatterns = router.urls

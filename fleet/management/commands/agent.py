@@ -1,0 +1,62 @@
+import os
+import threading
+
+from celery.signals import worker_shutting_down
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from fleet.agent import Agent, default_node_name
+from fleet.gpus import SIMULATED_MODELS, detect_provider
+from jobs import execution
+from portal.celery import app
+
+
+class Command(BaseCommand):
+    help = "Run this machine's node agent: a Celery worker on the node's queue, plus heartbeats and telemetry."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--node", default=os.environ.get("HANGAR_NODE_NAME") or default_node_name())
+        parser.add_argument(
+            "--simulate",
+            action="store_true",
+            default=os.environ.get("HANGAR_SIMULATE_GPUS", "") in ("1", "true"),
+            help="Use simulated GPUs even if NVML finds real ones.",
+        )
+        parser.add_argument("--sim-gpus", type=int, default=int(os.environ.get("HANGAR_SIM_GPUS", "4")))
+        parser.add_argument("--sim-model", default=os.environ.get("HANGAR_SIM_GPU_MODEL", "H100"))
+
+    def handle(self, *args, node, simulate, sim_gpus, sim_model, **options):
+        if sim_model not in SIMULATED_MODELS:
+            raise CommandError(f"--sim-model {sim_model!r} is unknown; use one of {', '.join(SIMULATED_MODELS)}")
+        if sim_gpus < 1:
+            raise CommandError("--sim-gpus must be at least 1")
+        agent = Agent(node, detect_provider(node, simulate, sim_model, sim_gpus), settings.HANGAR_HEARTBEAT_SECONDS)
+        registered = agent.register()
+        kind = "simulated" if registered.simulated else "NVML"
+        self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
+        stop = threading.Event()
+        threading.Thread(target=agent.heartbeat_forever, args=(stop,), daemon=True, name="heartbeat").start()
+        worker_shutting_down.connect(lambda **kw: execution.stop_all("the node's agent shut down"), weak=False)
+        app.worker_main(
+            [
+                "worker",
+                "--queues",
+                registered.queue,
+                "--pool",
+                "threads",
+                # Each attempt holds a thread while it runs; two spare ones keep
+                # short tasks from waiting behind a full node.
+                "--concurrency",
+                str(registered.gpu_count + 2),
+                "--hostname",
+                f"{registered.name}@%h",
+                "--prefetch-multiplier",
+                "1",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel",
+                "WARNING",
+            ]
+        )
+        stop.set()

@@ -1,0 +1,15 @@
+from django.contrib import admin
+
+from jobs.models import Attempt, Job
+
+
+class AttemptInline(admin.TabularInline):
+    model = Attempt
+    extra = 0
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ["id", "name", "project", "submitted_by", "state", "gpus_per_node", "created_at"]
+    list_filter = ["state", "project"]
+    inlines = [AttemptInline]

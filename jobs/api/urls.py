@@ -1,0 +1,7 @@
+from rest_framework.routers import SimpleRouter
+
+from jobs.api.views import JobViewSet
+
+router = SimpleRouter()
+router.register("jobs", JobViewSet, basename="job")
+urlpatterns = router.urls

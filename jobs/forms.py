@@ -1,0 +1,79 @@
+import shlex
+
+from django import forms
+from django.conf import settings
+
+from fleet.models import Node
+from jobs.models import Priority
+from portal.models import Project, Role
+
+# Where an API field's error shows on the form.
+API_TO_FORM = {
+    "command": "command",
+    "env": "env",
+    "project": "project",
+    "name": "name",
+    "gpus_per_node": "gpus_per_node",
+    "gpu_type": "gpu_type",
+    "priority": "priority",
+    "max_runtime_seconds": "max_runtime_seconds",
+}
+
+
+class JobForm(forms.Form):
+    """The browser's view of a submission. It only turns text into the API's
+    shape; the API serializer validates, so both refuse the same things."""
+
+    name = forms.CharField(max_length=200, required=False, help_text="Defaults to the program's name.")
+    project = forms.ChoiceField()
+    command = forms.CharField(
+        widget=forms.TextInput(attrs={"placeholder": "python train.py --epochs 3", "class": "mono"}),
+        help_text="Split like a shell line (quotes group words) and run as an argv list, never through a shell.",
+    )
+    gpus_per_node = forms.IntegerField(label="GPUs", initial=1)
+    gpu_type = forms.ChoiceField(label="GPU type", required=False)
+    priority = forms.ChoiceField(choices=Priority.choices, initial=Priority.NORMAL)
+    max_runtime_seconds = forms.IntegerField(
+        label="Max runtime (seconds)",
+        initial=settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
+        help_text="The job is stopped after this long (3600 = one hour).",
+    )
+    env = forms.CharField(
+        label="Environment variables",
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": "KEY=value, one per line", "class": "mono"}),
+    )
+
+    def __init__(self, user, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["project"].choices = [(p.slug, p.name) for p in Project.objects.with_role(user, Role.MEMBER)]
+        types = sorted(set(Node.objects.values_list("gpu_model", flat=True)))
+        self.fields["gpu_type"].choices = [("", "any")] + [(t, t) for t in types]
+
+    def clean_command(self) -> list[str]:
+        try:
+            return shlex.split(self.cleaned_data["command"])
+        except ValueError as exc:
+            raise forms.ValidationError(f"cannot split this line ({exc}); check the quotes")
+
+    def clean_env(self) -> dict[str, str]:
+        env = {}
+        for number, line in enumerate(self.cleaned_data["env"].splitlines(), start=1):
+            if not line.strip():
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise forms.ValidationError(f"line {number} ({line.strip()!r}) is not KEY=value")
+            env[key.strip()] = value
+        return env
+
+    def api_data(self) -> dict:
+        data = dict(self.cleaned_data)
+        return {key: value for key, value in data.items() if value not in ("", None)}
+
+    def add_api_errors(self, errors: dict) -> None:
+        for field, messages in errors.items():
+            target = API_TO_FORM.get(field)
+            for message in messages if isinstance(messages, list) else [messages]:
+                text = str(message) if not isinstance(message, dict) else "; ".join(map(str, message.values()))
+                self.add_error(target, text)

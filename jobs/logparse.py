@@ -1,0 +1,39 @@
+"""Turning a job's raw output into log lines: decoding, truncation, severity."""
+
+import re
+
+from jobs.models import Severity, Stream
+
+TRUNCATION_MARKER = " …[line truncated by Hangar]"
+
+_LEVEL_WORDS = {
+    "CRITICAL": Severity.CRITICAL,
+    "FATAL": Severity.CRITICAL,
+    "ERROR": Severity.ERROR,
+    "WARNING": Severity.WARNING,
+    "WARN": Severity.WARNING,
+    "INFO": Severity.INFO,
+    "DEBUG": Severity.DEBUG,
+}
+# "ERROR:root:...", "[ERROR] ...", "2026-11-29 12:00:00,123 WARNING ...", "NCCL WARN ...".
+_LEVEL_RE = re.compile(r"^(?:\S+ ){0,3}\[?(CRITICAL|FATAL|ERROR|WARNING|WARN|INFO|DEBUG)\]?[:\s]")
+# glog: "W1129 12:00:00.000000 1234 file.cc:12] ..."
+_GLOG_RE = re.compile(r"^([IWEF])\d{4} \d{2}:\d{2}:\d{2}")
+_GLOG_LEVELS = {"I": Severity.INFO, "W": Severity.WARNING, "E": Severity.ERROR, "F": Severity.CRITICAL}
+
+
+def decode_line(raw: bytes, truncated: bool) -> str:
+    """Bytes of one line as safe text: invalid UTF-8 and NULs replaced, marker when cut."""
+    text = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+    return text + TRUNCATION_MARKER if truncated else text
+
+
+def severity_of(text: str, stream: int) -> int:
+    """The level a line states for itself, else INFO on stdout and WARNING on stderr."""
+    if match := _LEVEL_RE.match(text):
+        return _LEVEL_WORDS[match.group(1)]
+    if match := _GLOG_RE.match(text):
+        return _GLOG_LEVELS[match.group(1)]
+    if text.startswith("Traceback (most recent call last)"):
+        return Severity.ERROR
+    return Severity.WARNING if stream == Stream.STDERR else Severity.INFO

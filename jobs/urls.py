@@ -1,0 +1,11 @@
+from django.urls import path
+
+from jobs import views
+
+urlpatterns = [
+    path("", views.job_list, name="job-list"),
+    path("new/", views.submit, name="job-submit"),
+    path("<int:pk>/", views.job_detail, name="job-detail"),
+    path("<int:pk>/status/", views.job_status, name="job-status"),
+    path("<int:pk>/cancel/", views.cancel, name="job-cancel"),
+]

@@ -1,0 +1,61 @@
+from django.contrib import messages
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from jobs.api.serializers import JobSubmitSerializer
+from jobs.api.views import can_cancel
+from jobs.forms import JobForm
+from jobs.models import Job
+
+
+def visible_job(request, pk: int) -> Job:
+    return get_object_or_404(Job.objects.visible_to(request.user).select_related("project", "submitted_by"), pk=pk)
+
+
+def job_list(request):
+    jobs = Job.objects.visible_to(request.user).select_related("project", "submitted_by")[:200]
+    return render(request, "jobs/job_list.html", {"jobs": jobs})
+
+
+def submit(request):
+    form = JobForm(request.user, request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        serializer = JobSubmitSerializer(data=form.api_data(), context={"request": request})
+        if serializer.is_valid():
+            job = serializer.save()
+            messages.success(request, f"Job {job.pk} submitted.")
+            return redirect("job-detail", pk=job.pk)
+        form.add_api_errors(serializer.errors)
+    return render(request, "jobs/job_submit.html", {"form": form})
+
+
+def status_context(request, job: Job) -> dict:
+    return {
+        "job": job,
+        "attempts": job.attempts.select_related("node"),
+        "events": job.events.all(),
+        "can_cancel": not job.is_final and can_cancel(request.user, job),
+    }
+
+
+def job_detail(request, pk: int):
+    job = visible_job(request, pk)
+    return render(request, "jobs/job_detail.html", status_context(request, job))
+
+
+def job_status(request, pk: int):
+    """The job's state, attempts and history: a partial the page refreshes with htmx."""
+    job = visible_job(request, pk)
+    return render(request, "jobs/partials/job_status.html", status_context(request, job))
+
+
+@require_POST
+def cancel(request, pk: int):
+    job = visible_job(request, pk)
+    if can_cancel(request.user, job):
+        job.cancel(request.user, f"cancelled by {request.user} from the job page")
+    else:
+        messages.error(request, "Only the job's submitter or a project manager can cancel it.")
+    if request.headers.get("HX-Request"):
+        return render(request, "jobs/partials/job_status.html", status_context(request, job))
+    return redirect("job-detail", pk=job.pk)

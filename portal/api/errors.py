@@ -1,0 +1,69 @@
+"""One JSON error shape for the whole API.
+
+    {"code": "invalid", "message": "command: ...", "errors": [{"field": "command", "message": "..."}]}
+
+`message` is the first problem in a sentence an agent can act on; `errors`
+lists every problem with the path of the field it concerns.
+"""
+
+from django.core.exceptions import PermissionDenied
+from django.db import DatabaseError
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+
+def flatten(detail, path: str = "") -> list[dict]:
+    """DRF's nested error detail as a flat list of {field, message}."""
+    if isinstance(detail, dict):
+        out = []
+        for key, value in detail.items():
+            field = path if key == "non_field_errors" else (f"{path}.{key}" if path else str(key))
+            out.extend(flatten(value, field))
+        return out
+    if isinstance(detail, list):
+        if all(not isinstance(item, (dict, list)) for item in detail):
+            return [{"field": path, "message": str(item)} for item in detail]
+        out = []
+        for index, item in enumerate(detail):
+            out.extend(flatten(item, f"{path}[{index}]"))
+        return out
+    return [{"field": path, "message": str(detail)}]
+
+
+def error_body(code: str, errors: list[dict]) -> dict:
+    first = errors[0] if errors else {"field": "", "message": "request failed"}
+    message = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
+    return {"code": code, "message": message, "errors": errors}
+
+
+def exception_handler(exc, context):
+    if isinstance(exc, exceptions.ParseError):
+        errors = [
+            {
+                "field": "body",
+                "message": f"request body is not valid JSON ({exc.detail}); send one JSON object "
+                "with the header Content-Type: application/json",
+            }
+        ]
+        return Response(error_body("parse_error", errors), status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, DatabaseError):
+        body = error_body("unavailable", [{"field": "", "message": "the database is unavailable; retry shortly"}])
+        return Response(body, status=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound("not found, or not in a project you belong to")
+    elif isinstance(exc, PermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
+        code = "invalid"
+        errors = flatten(exc.detail)
+    else:
+        code = getattr(exc, "default_code", "error")
+        detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
+        errors = flatten(detail)
+    response.data = error_body(code, errors)
+    return response

@@ -1,0 +1,40 @@
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import OriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from jobs.consumers import JobLogConsumer  # noqa: E402
+from portal.auth import WebsocketTokenMiddleware  # noqa: E402
+
+
+class BrowserOriginValidator(OriginValidator):
+    """Browsers must come from an allowed host (no cross-site hijacking of the
+    session cookie); clients that send no Origin, like the CLI, authenticate by token."""
+
+    def valid_origin(self, parsed_origin):
+        return parsed_origin is None or super().valid_origin(parsed_origin)
+
+
+websocket_urlpatterns = [
+    path("ws/jobs/<int:job_id>/logs/", JobLogConsumer.as_asgi()),
+]
+
+application = ProtocolTypeRouter(
+    {
+        # Static files are served by the project itself: the UI works offline, no CDN.
+        "http": ASGIStaticFilesHandler(django_app),
+        "websocket": BrowserOriginValidator(
+            AuthMiddlewareStack(WebsocketTokenMiddleware(URLRouter(websocket_urlpatterns))), settings.ALLOWED_HOSTS
+        ),
+    }
+)

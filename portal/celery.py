@@ -1,0 +1,37 @@
+"""The Celery app shared by the web process, the scheduler and every node agent.
+
+Attempt tasks are only wake-ups: the database holds each attempt's state. So
+tasks are acknowledged early and a worker takes one message at a time; a job
+that runs for days is never redelivered by a broker's visibility timeout.
+"""
+
+import os
+import warnings
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+
+# Agents often run as root on GPU machines; the jobs they start are what matters.
+warnings.filterwarnings("ignore", message=".*superuser privileges.*")
+
+app = Celery("hangar")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.update(
+    task_acks_late=False,
+    worker_prefetch_multiplier=1,
+    task_default_queue="hangar.scheduler",
+    task_create_missing_queues=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    worker_send_task_events=False,
+    task_serializer="json",
+    accept_content=["json"],
+)
+app.autodiscover_tasks()
+
+
+@app.task(name="hangar.ping", ignore_result=False)
+def ping(sent_at: float) -> float:
+    """A bare task, used by bench/start_latency.py as the broker's round-trip baseline."""
+    return sent_at

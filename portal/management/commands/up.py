@@ -1,0 +1,158 @@
+"""`manage.py up`: the whole product on one machine (web, scheduler, one node agent)."""
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from portal.models import Membership, Project, Role
+
+STOP_SECONDS = 20
+
+
+class Command(BaseCommand):
+    help = "Migrate, create the admin user, and run web + scheduler + a node agent until Ctrl-C."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default=os.environ.get("HANGAR_HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT", "8000")))
+        parser.add_argument("--no-agent", action="store_true", help="Do not start a node agent on this machine.")
+
+    def handle(self, *args, host, port, no_agent, **options):
+        check_port_free(host, port)
+        call_command("migrate", interactive=False, verbosity=0)
+        login = ensure_admin()
+        ensure_default_project()
+        children = start_children(host, port, no_agent)
+        try:
+            wait_for_port(host, port, children)
+            self.banner(host, port, login, no_agent)
+            watch(children)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop(children)
+
+    def banner(self, host, port, login: str, no_agent: bool) -> None:
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        lines = [
+            "",
+            f"  Hangar is running at http://{shown_host}:{port}/",
+            f"  {login}",
+            f"  data directory: {settings.DATA_DIR}",
+            "  agent: not started (--no-agent)" if no_agent else "  a node agent for this machine is running",
+            "  Press Ctrl-C to stop.",
+            "",
+        ]
+        self.stdout.write("\n".join(lines))
+        self.stdout.flush()
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {host}:{port} ({exc.strerror}); set HANGAR_PORT or --port") from exc
+
+
+def ensure_admin() -> str:
+    """Create the admin user on first start; the password is printed this once."""
+    users = get_user_model().objects
+    existing = users.filter(is_superuser=True).order_by("pk").first()
+    if existing is not None:
+        return (
+            f"log in as {existing.username!r} (password shown at first start; "
+            f"reset it with `python manage.py changepassword {existing.username}`)"
+        )
+    username = os.environ.get("HANGAR_ADMIN_USER", "admin")
+    password = os.environ.get("HANGAR_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
+    users.create_superuser(username=username, email="", password=password)
+    return f"log in as {username!r} with password {password!r} (shown once)"
+
+
+def ensure_default_project() -> None:
+    project, _ = Project.objects.get_or_create(slug="default", defaults={"name": "Default project"})
+    for admin in get_user_model().objects.filter(is_superuser=True):
+        Membership.objects.get_or_create(project=project, user=admin, defaults={"role": Role.ADMIN})
+
+
+def start_children(host: str, port: int, no_agent: bool) -> dict[str, subprocess.Popen]:
+    python = sys.executable
+    manage = str(settings.BASE_DIR / "manage.py")
+    commands = {
+        "web": [
+            python,
+            "-m",
+            "uvicorn",
+            "portal.asgi:application",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--ws",
+            "websockets",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        "scheduler": [python, manage, "scheduler"],
+    }
+    if not no_agent:
+        commands["agent"] = [python, manage, "agent"]
+    env = {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
+    return {name: subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env) for name, argv in commands.items()}
+
+
+def wait_for_port(host: str, port: int, children: dict[str, subprocess.Popen], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    while time.monotonic() < deadline:
+        check_alive(children)
+        try:
+            with socket.create_connection((target, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise CommandError(f"the web server did not listen on {host}:{port} within {timeout:.0f}s")
+
+
+def check_alive(children: dict[str, subprocess.Popen]) -> None:
+    for name, proc in children.items():
+        if proc.poll() is not None:
+            raise CommandError(f"{name} exited with code {proc.returncode}; see its output above")
+
+
+def watch(children: dict[str, subprocess.Popen]) -> None:
+    # SIGTERM (e.g. from a service manager) stops everything like Ctrl-C does.
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    while True:
+        check_alive(children)
+        time.sleep(0.5)
+
+
+def raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def stop(children: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM everyone (the agent ends its running jobs, which are requeued), then SIGKILL stragglers."""
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_SECONDS
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

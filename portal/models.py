@@ -1,0 +1,138 @@
+"""Projects, memberships, API tokens and the audit trail: the access model every app scopes by."""
+
+import hashlib
+import secrets
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Role(models.TextChoices):
+    VIEWER = "viewer", "Viewer"
+    MEMBER = "member", "Member"
+    MANAGER = "manager", "Manager"
+    ADMIN = "admin", "Admin"
+
+
+ROLE_RANK = {Role.VIEWER: 0, Role.MEMBER: 1, Role.MANAGER: 2, Role.ADMIN: 3}
+
+
+class ProjectQuerySet(models.QuerySet):
+    def visible_to(self, user) -> "ProjectQuerySet":
+        """The one place that says which projects a user may see."""
+        if user is None or not user.is_authenticated:
+            return self.none()
+        if user.is_superuser:
+            return self
+        return self.filter(memberships__user=user).distinct()
+
+    def with_role(self, user, role: str) -> "ProjectQuerySet":
+        """Projects where the user holds `role` or a higher one."""
+        if user is None or not user.is_authenticated:
+            return self.none()
+        if user.is_superuser:
+            return self
+        allowed = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
+        return self.filter(memberships__user=user, memberships__role__in=allowed).distinct()
+
+
+class Project(models.Model):
+    slug = models.SlugField(unique=True, help_text="Short name used in the API and CLI.")
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = ProjectQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Membership(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "user"], name="one_membership_per_user")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.project} as {self.role}"
+
+
+TOKEN_PREFIX = "hgr_"
+
+
+def hash_token(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+class ApiTokenQuerySet(models.QuerySet):
+    def active(self) -> "ApiTokenQuerySet":
+        return self.filter(revoked_at__isnull=True)
+
+
+class ApiToken(models.Model):
+    """A named bearer token for agents and the CLI. Only its SHA-256 is stored."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100)
+    digest = models.CharField(max_length=64, unique=True)
+    hint = models.CharField(max_length=12, help_text="First characters, to recognise the token.")
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ApiTokenQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.hint}…)"
+
+    @classmethod
+    def issue(cls, user, name: str) -> tuple["ApiToken", str]:
+        """Create a token and return it with its secret, which is shown this once."""
+        raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        token = cls.objects.create(user=user, name=name, digest=hash_token(raw), hint=raw[:10])
+        AuditEvent.record(user, "token.create", token, detail={"name": name})
+        return token, raw
+
+    @classmethod
+    def authenticate(cls, raw: str):
+        """The user a raw token belongs to, or None."""
+        token = cls.objects.active().select_related("user").filter(digest=hash_token(raw)).first()
+        if token is None or not token.user.is_active:
+            return None
+        cls.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+        return token.user
+
+
+class AuditEvent(models.Model):
+    """Who did what to which object, when and why: cordons, cancels, role changes, tokens."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    action = models.CharField(max_length=64)
+    target_type = models.CharField(max_length=64)
+    target_id = models.CharField(max_length=64)
+    reason = models.TextField(blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target_type}:{self.target_id}"
+
+    @classmethod
+    def record(cls, actor, action: str, target, reason: str = "", detail: dict | None = None) -> "AuditEvent":
+        return cls.objects.create(
+            actor=actor if actor is not None and actor.is_authenticated else None,
+            action=action,
+            target_type=target._meta.label_lower,
+            target_id=str(target.pk),
+            reason=reason,
+            detail=detail or {},
+        )

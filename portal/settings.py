@@ -1,0 +1,239 @@
+"""Hangar settings: everything comes from environment variables (see .env.example).
+
+Unset variables give the embedded default: SQLite, a file-system Celery broker
+and the data directory `./var`. Setting DATABASE_URL, CELERY_BROKER_URL and
+REDIS_URL switches to services mode (PostgreSQL, Redis) with the same code.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer; set it to a whole number like {default}")
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} is below its minimum {minimum}")
+    return value
+
+
+def env_float(name: str, default: float, minimum: float = 0.0) -> float:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number; set it to a value like {default}")
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} is below its minimum {minimum}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+DATA_DIR = Path(env_str("HANGAR_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key() -> str:
+    """Use HANGAR_SECRET_KEY, else a key generated once and kept in the data directory."""
+    if key := env_str("HANGAR_SECRET_KEY"):
+        return key
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("HANGAR_DEBUG", False)
+ALLOWED_HOSTS = env_list("HANGAR_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("HANGAR_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "portal",
+    "fleet",
+    "jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "portal.middleware.LoginRequiredMiddleware",
+]
+
+ROOT_URLCONF = "portal.urls"
+ASGI_APPLICATION = "portal.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = env_str("DATABASE_URL")
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "hangar.sqlite3",
+            "OPTIONS": {
+                # Web, scheduler and agent are separate processes writing one file:
+                # WAL lets readers run beside the writer, IMMEDIATE takes the write
+                # lock at BEGIN so two scheduler passes cannot both read free GPUs.
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 30,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+EMBEDDED_DATABASE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "static"
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "portal.auth.ApiTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "UNAUTHENTICATED_USER": None,
+}
+
+# --- Live delivery -------------------------------------------------------
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("HANGAR_CHANNEL_PREFIX", "hangar")},
+        }
+    }
+else:
+    # No layer: agents run in other processes, so websocket consumers poll the
+    # stored lines instead (they always read from the database anyway).
+    CHANNEL_LAYERS = {}
+# How often a log websocket re-reads the database when no push hint arrives.
+HANGAR_LOG_POLL_SECONDS = env_float("HANGAR_LOG_POLL_SECONDS", 2.0 if REDIS_URL else 0.1, minimum=0.01)
+
+# --- Celery ----------------------------------------------------------------
+BROKER_DIR = DATA_DIR / "broker"
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://localhost/")
+CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    for sub in ("queue", "control", "processed"):
+        (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(BROKER_DIR / "queue"),
+        "data_folder_out": str(BROKER_DIR / "queue"),
+        "control_folder": str(BROKER_DIR / "control"),
+        "processed_folder": str(BROKER_DIR / "processed"),
+        "store_processed": False,
+        "polling_interval": env_float("HANGAR_BROKER_POLL_SECONDS", 0.05, minimum=0.005),
+    }
+(DATA_DIR / "celery-results").mkdir(exist_ok=True)
+CELERY_RESULT_BACKEND = env_str(
+    "CELERY_RESULT_BACKEND", REDIS_URL or f"file://{(DATA_DIR / 'celery-results').as_posix()}"
+)
+CELERY_TASK_IGNORE_RESULT = True
+
+# --- Scheduling and execution ----------------------------------------------
+HANGAR_SCHEDULER_INTERVAL = env_float("HANGAR_SCHEDULER_INTERVAL", 2.0, minimum=0.1)
+HANGAR_HEARTBEAT_SECONDS = env_float("HANGAR_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
+HANGAR_NODE_OFFLINE_SECONDS = env_float("HANGAR_NODE_OFFLINE_SECONDS", 30.0, minimum=1.0)
+HANGAR_LEASE_SECONDS = env_float("HANGAR_LEASE_SECONDS", 30.0, minimum=1.0)
+HANGAR_START_TIMEOUT_SECONDS = env_float("HANGAR_START_TIMEOUT_SECONDS", 120.0, minimum=1.0)
+HANGAR_KILL_GRACE_SECONDS = env_float("HANGAR_KILL_GRACE_SECONDS", 10.0, minimum=0.0)
+HANGAR_DEFAULT_MAX_RUNTIME_SECONDS = env_int("HANGAR_DEFAULT_MAX_RUNTIME_SECONDS", 24 * 3600, minimum=1)
+HANGAR_MAX_REQUEUES = env_int("HANGAR_MAX_REQUEUES", 5, minimum=0)
+HANGAR_LOG_LINE_MAX_BYTES = env_int("HANGAR_LOG_LINE_MAX_BYTES", 16 * 1024, minimum=256)
+HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "hangar": {"handlers": ["console"], "level": env_str("HANGAR_LOG_LEVEL", "INFO")},
+    },
+}
