@@ -128,7 +128,14 @@ TEMPLATES = [
 
 DATABASE_URL = env_str("DATABASE_URL")
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)}
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL)}
+    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        # Under ASGI each request runs in a thread of its own, so persistent
+        # per-thread connections would be opened anew for every request; a pool
+        # shared by the process's threads is what keeps connections warm.
+        DATABASES["default"]["OPTIONS"] = {
+            "pool": {"min_size": 2, "max_size": env_int("HANGAR_DB_POOL_SIZE", 20, minimum=2), "timeout": 10}
+        }
 else:
     DATABASES = {
         "default": {

@@ -1,0 +1,31 @@
+# The two commands of the README: `make start` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: start test lint bench
+
+$(VENV)/.runtime: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+$(VENV)/.test: requirements-test.txt requirements.txt $(VENV)/.runtime
+	$(PY) -m pip install --quiet -r requirements-test.txt
+	touch $@
+
+## start: install what is missing, migrate, and run web + scheduler + a node agent (Ctrl-C stops)
+start: $(VENV)/.runtime
+	$(PY) manage.py up
+
+## test: install what the tests need and run the whole suite (lint, migrations check, pytest)
+test: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) manage.py makemigrations --check --dry-run
+	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) -m pytest
+
+## bench: every benchmark, quick
+bench: $(VENV)/.test
+	for script in bench/*.py; do $(PY) $$script --quick || exit 1; done

@@ -1,0 +1,184 @@
+"""A whole Hangar (web, scheduler, node agent) started with `manage.py up` in a
+throw-away data directory: what the end-to-end tests and the benches drive.
+
+It talks to the stack only as a user would: HTTP, websockets and the API token
+that `manage.py create_token` prints.
+"""
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+POSTGRES_ADMIN_URL = os.environ.get("HANGAR_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_TEST_URL = os.environ.get("HANGAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/5")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveStack:
+    def __init__(self, env: dict[str, str] | None = None, data_dir: str | None = None):
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="hangar-stack-"))
+        self.port = free_port()
+        self.password = secrets.token_urlsafe(12)
+        self.env = {
+            **os.environ,
+            "HANGAR_DATA_DIR": str(self.data_dir),
+            "HANGAR_PORT": str(self.port),
+            "HANGAR_ADMIN_PASSWORD": self.password,
+            "HANGAR_NODE_NAME": "node-a",
+            "HANGAR_SIMULATE_GPUS": "1",
+            "HANGAR_HEARTBEAT_SECONDS": "1",
+            "HANGAR_KILL_GRACE_SECONDS": "2",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen | None = None
+        self.token = ""
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "stack.log"
+
+    def manage(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args], cwd=BASE_DIR, env=self.env, capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    def start(self, timeout: float = 90) -> "LiveStack":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "manage.py", "up"],
+                cwd=BASE_DIR,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        self._wait(lambda: self._port_open(), deadline, "the web server to listen")
+        self.token = self.manage("create_token", "admin", "--name", "livestack")
+        self._wait(self._node_ready, deadline, "a node agent to register")
+        return self
+
+    def _wait(self, ready, deadline: float, what: str) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`manage.py up` exited with {self.proc.returncode}:\n{self.output()}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"timed out waiting for {what}:\n{self.output()}")
+
+    def _port_open(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def _node_ready(self) -> bool:
+        nodes = self.api("GET", "/api/v1/nodes/").json()["results"]
+        return any(n["state"] == "ready" for n in nodes)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-20000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> "LiveStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- talking to it -------------------------------------------------
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def api(self, method: str, path: str, **kwargs) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers=self.headers(), timeout=30, **kwargs)
+
+    def submit(self, command: list[str], **fields) -> dict:
+        response = self.api("POST", "/api/v1/jobs/", json={"project": "default", "command": command, **fields})
+        response.raise_for_status()
+        return response.json()
+
+    def job(self, job_id: int) -> dict:
+        return self.api("GET", f"/api/v1/jobs/{job_id}/").json()
+
+    def wait_for(self, job_id: int, states: tuple[str, ...], timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            time.sleep(0.1)
+        raise AssertionError(f"job {job_id} is {job['state']}, not in {states}, after {timeout}s\n{self.output()}")
+
+
+class ServicesDatabase:
+    """A fresh PostgreSQL database and a flushed Redis database for one services-mode stack."""
+
+    def __init__(self):
+        self.name = f"hangar_test_{uuid.uuid4().hex[:10]}"
+
+    def available(self) -> str | None:
+        """None when PostgreSQL and Redis answer, else what is missing."""
+        import psycopg
+        import redis
+
+        try:
+            psycopg.connect(POSTGRES_ADMIN_URL, connect_timeout=3).close()
+        except psycopg.Error as exc:
+            return f"PostgreSQL at {POSTGRES_ADMIN_URL} is unreachable: {exc}"
+        try:
+            redis.Redis.from_url(REDIS_TEST_URL, socket_timeout=3).ping()
+        except redis.RedisError as exc:
+            return f"Redis at {REDIS_TEST_URL} is unreachable: {exc}"
+        return None
+
+    def __enter__(self) -> dict[str, str]:
+        import psycopg
+        import redis
+
+        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{self.name}"')
+        redis.Redis.from_url(REDIS_TEST_URL).flushdb()
+        database_url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + "/" + self.name
+        return {
+            "DATABASE_URL": database_url,
+            "CELERY_BROKER_URL": REDIS_TEST_URL,
+            "REDIS_URL": REDIS_TEST_URL,
+            "HANGAR_CHANNEL_PREFIX": self.name,
+        }
+
+    def __exit__(self, *exc) -> None:
+        import psycopg
+
+        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')

@@ -1,0 +1,177 @@
+"""The whole path, end to end, in both modes: a real `manage.py up` (web server,
+scheduler and a Celery worker as the node agent), a real job process, a real
+websocket client.
+
+Services mode needs PostgreSQL and Redis; under CI (CI=true) their absence is a
+failure, elsewhere the services tests are skipped with the reason.
+"""
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from portal.livestack import LiveStack, ServicesDatabase
+
+pytestmark = pytest.mark.e2e
+
+PY = sys.executable
+
+
+@pytest.fixture(scope="module", params=["embedded", "services"])
+def stack(request, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp(f"stack-{request.param}")
+    if request.param == "embedded":
+        with LiveStack(data_dir=str(data_dir)) as live:
+            yield live
+        return
+    services = ServicesDatabase()
+    missing = services.available()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"services mode must run in CI: {missing}")
+        pytest.skip(missing)
+    with services as env, LiveStack(env=env, data_dir=str(data_dir)) as live:
+        yield live
+
+
+def follow_logs(stack: LiveStack, job_id: int, after: dict | None = None, stop_after: int | None = None, timeout=60):
+    """Read the log websocket until the job's final state (or `stop_after` lines)."""
+    after = after or {"attempt": 0, "seq": 0}
+    url = f"{stack.ws_url}/ws/jobs/{job_id}/logs/?after_attempt={after['attempt']}&after_seq={after['seq']}"
+    lines, final = [], None
+    with connect(url, additional_headers=stack.headers(), open_timeout=10) as ws:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = json.loads(ws.recv(timeout=max(0.1, deadline - time.monotonic())))
+            if message["type"] == "lines":
+                lines.extend(message["lines"])
+                if stop_after is not None and len(lines) >= stop_after:
+                    return lines, None
+            elif message["type"] == "state" and message["final"]:
+                final = message
+                break
+    return lines, final
+
+
+def script(body: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(body)]
+
+
+def test_lines_arrive_in_order_over_websocket_and_failure_is_recorded(stack):
+    job = stack.submit(
+        script(
+            """
+            import sys, time
+            for i in range(30):
+                print(f"out {i}", flush=True)
+                print(f"err {i}", file=sys.stderr, flush=True)
+                time.sleep(0.01)
+            sys.exit(3)
+            """
+        ),
+        name="printer",
+    )
+    lines, final = follow_logs(stack, job["id"])
+
+    out = [line["text"] for line in lines if line["stream"] == "stdout"]
+    err = [line["text"] for line in lines if line["stream"] == "stderr"]
+    assert out == [f"out {i}" for i in range(30)]
+    assert err == [f"err {i}" for i in range(30)]
+    assert all(line["severity"] == "WARNING" for line in lines if line["stream"] == "stderr")
+    seqs = [line["seq"] for line in lines]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert final["state"] == "failed" and final["exit_code"] == 3
+
+    done = stack.job(job["id"])
+    assert (done["state"], done["exit_code"], done["failure_class"]) == ("failed", 3, "user")
+    (attempt,) = done["attempts"]
+    stamps = [attempt[k] for k in ("queued_at", "scheduled_at", "started_at", "running_at", "finished_at")]
+    assert all(stamps), attempt
+    assert stamps == sorted(stamps)
+    assert attempt["exit_code"] == 3 and attempt["node"] == "node-a"
+
+
+def test_reconnecting_client_resumes_without_loss_or_duplicates(stack):
+    job = stack.submit(
+        script(
+            """
+            import time
+            for i in range(300):
+                print(f"line {i}", flush=True)
+                if i % 50 == 0:
+                    time.sleep(0.2)
+            """
+        )
+    )
+    seen = []
+    cursor = {"attempt": 0, "seq": 0}
+    final = None
+    while final is None:
+        # Drop the connection every 40 lines and come back from the last cursor.
+        batch, final = follow_logs(stack, job["id"], after=cursor, stop_after=40)
+        seen.extend(batch)
+        if batch:
+            cursor = {"attempt": batch[-1]["attempt"], "seq": batch[-1]["seq"]}
+    texts = [line["text"] for line in seen if line["stream"] == "stdout"]
+    assert texts == [f"line {i}" for i in range(300)]
+    assert [line["seq"] for line in seen] == list(range(1, len(seen) + 1))
+    assert final["state"] == "succeeded"
+
+
+def test_cancel_stops_the_whole_process_group(stack, tmp_path):
+    pids = tmp_path / "pids"
+    job = stack.submit(
+        script(
+            f"""
+            import os, subprocess, time
+            child = subprocess.Popen(["sleep", "300"])
+            open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+            print("started", flush=True)
+            time.sleep(300)
+            """
+        )
+    )
+    stack.wait_for(job["id"], ("running",))
+    deadline = time.monotonic() + 20
+    while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    parent, child = map(int, pids.read_text().split())
+    assert alive(parent) and alive(child)
+
+    response = stack.api("POST", f"/api/v1/jobs/{job['id']}/cancel/", json={"reason": "test cancel"})
+    assert response.status_code == 200
+    done = stack.wait_for(job["id"], ("cancelled", "failed", "succeeded"), timeout=30)
+
+    assert done["state"] == "cancelled"
+    assert done["attempts"][-1]["failure_class"] == "cancelled"
+    wait_until_gone([parent, child], timeout=10)
+
+
+def test_unauthenticated_websocket_is_refused(stack):
+    job = stack.submit([PY, "-c", "print('x')"])
+    with pytest.raises(InvalidStatus) as refused:
+        with connect(f"{stack.ws_url}/ws/jobs/{job['id']}/logs/", open_timeout=10):
+            pass
+    assert refused.value.response.status_code == 403
+
+
+def alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting for its parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), f"still alive: {[p for p in pids if alive(p)]}"
