@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: start test lint bench
+.PHONY: start test bench chromium
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,12 +15,17 @@ $(VENV)/.test: requirements-test.txt requirements.txt $(VENV)/.runtime
 	$(PY) -m pip install --quiet -r requirements-test.txt
 	touch $@
 
+# Browser tests drive Debian's Chromium (never a downloaded one); as root, install it if missing.
+chromium:
+	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
 ## start: install what is missing, migrate, and run web + scheduler + a node agent (Ctrl-C stops)
 start: $(VENV)/.runtime
 	$(PY) manage.py up
 
 ## test: install what the tests need and run the whole suite (lint, migrations check, pytest)
-test: $(VENV)/.test
+test: $(VENV)/.test chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) manage.py makemigrations --check --dry-run

@@ -122,8 +122,8 @@ def _text(value) -> str:
 
 
 def short_model_name(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'H100': the GPU type users ask for."""
-    for word in name.replace("NVIDIA", "").split():
+    """'NVIDIA H100 80GB HBM3' -> 'H100', 'NVIDIA A100-SXM4-80GB' -> 'A100': the GPU type users ask for."""
+    for word in name.replace("NVIDIA", "").replace("-", " ").split():
         if any(c.isdigit() for c in word) and word[0].isalpha():
             return word.upper()
     return name.strip()

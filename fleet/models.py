@@ -90,9 +90,14 @@ class Node(models.Model):
 
     @classmethod
     def mark_silent_offline(cls) -> list["Node"]:
-        """Nodes whose heartbeat stopped become offline; returns them."""
+        """Ready nodes whose heartbeat stopped become offline; returns them.
+
+        A cordoned or draining node keeps its state (and its reason): the
+        heartbeat that brings an offline node back makes it ready, and that must
+        not silently undo a person's cordon.
+        """
         cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
-        silent = list(cls.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=cutoff))
+        silent = list(cls.objects.filter(state=NodeState.READY, last_heartbeat_at__lt=cutoff))
         gone = []
         for node in silent:
             reason = f"no heartbeat since {node.last_heartbeat_at:%Y-%m-%d %H:%M:%S} UTC"

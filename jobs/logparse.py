@@ -15,8 +15,13 @@ _LEVEL_WORDS = {
     "INFO": Severity.INFO,
     "DEBUG": Severity.DEBUG,
 }
-# "ERROR:root:...", "[ERROR] ...", "2026-11-29 12:00:00,123 WARNING ...", "NCCL WARN ...".
-_LEVEL_RE = re.compile(r"^(?:\S+ ){0,3}\[?(CRITICAL|FATAL|ERROR|WARNING|WARN|INFO|DEBUG)\]?[:\s]")
+# "ERROR:root:...", "[ERROR] ...", "2026-11-29 12:00:00,123 WARNING ...",
+# "host:1234:5678 [0] NCCL WARN ...": the level word may follow only a timestamp,
+# a host:pid:tid or a [rank] prefix, so "my ERROR count is 0" stays INFO.
+_LEVEL_RE = re.compile(
+    r"^(?:(?:\d[\d\-/:.,T]*|\S+:\d+:\d+|\[\d+\])\s+){0,3}(?:NCCL\s+)?"
+    r"\[?(CRITICAL|FATAL|ERROR|WARNING|WARN|INFO|DEBUG)\]?(?:[:\s]|$)"
+)
 # glog: "W1129 12:00:00.000000 1234 file.cc:12] ..."
 _GLOG_RE = re.compile(r"^([IWEF])\d{4} \d{2}:\d{2}:\d{2}")
 _GLOG_LEVELS = {"I": Severity.INFO, "W": Severity.WARNING, "E": Severity.ERROR, "F": Severity.CRITICAL}

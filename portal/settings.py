@@ -16,7 +16,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 
 def env_str(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
+    return os.environ.get(name) or default
 
 
 def env_int(name: str, default: int, minimum: int | None = None) -> int:

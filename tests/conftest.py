@@ -51,6 +51,12 @@ def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None
     )
 
 
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    # The default PBKDF2 costs about a second per user made; tests make several.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture
 def owner(db):
     return make_user("owner")

@@ -3,5 +3,5 @@ from rest_framework.routers import SimpleRouter
 from fleet.api.views import NodeViewSet
 
 router = SimpleRouter()
-router.register("nodes", NodeViewSet, basename="node")
+router.register("nodes", NodeViewSet, basename="api-node")
 urlpatterns = router.urls

@@ -7,7 +7,7 @@ lists every problem with the path of the field it concerns.
 """
 
 from django.core.exceptions import PermissionDenied
-from django.db import DatabaseError
+from django.db import InterfaceError, OperationalError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -48,7 +48,7 @@ def exception_handler(exc, context):
             }
         ]
         return Response(error_body("parse_error", errors), status=status.HTTP_400_BAD_REQUEST)
-    if isinstance(exc, DatabaseError):
+    if isinstance(exc, (OperationalError, InterfaceError)):
         body = error_body("unavailable", [{"field": "", "message": "the database is unavailable; retry shortly"}])
         return Response(body, status=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
     if isinstance(exc, Http404):

@@ -22,8 +22,8 @@ class Command(BaseCommand):
             default=os.environ.get("HANGAR_SIMULATE_GPUS", "") in ("1", "true"),
             help="Use simulated GPUs even if NVML finds real ones.",
         )
-        parser.add_argument("--sim-gpus", type=int, default=int(os.environ.get("HANGAR_SIM_GPUS", "4")))
-        parser.add_argument("--sim-model", default=os.environ.get("HANGAR_SIM_GPU_MODEL", "H100"))
+        parser.add_argument("--sim-gpus", type=int, default=int(os.environ.get("HANGAR_SIM_GPUS") or 4))
+        parser.add_argument("--sim-model", default=os.environ.get("HANGAR_SIM_GPU_MODEL") or "H100")
 
     def handle(self, *args, node, simulate, sim_gpus, sim_model, **options):
         if sim_model not in SIMULATED_MODELS:
@@ -39,6 +39,7 @@ class Command(BaseCommand):
         worker_shutting_down.connect(lambda **kw: execution.stop_all("the node's agent shut down"), weak=False)
         app.worker_main(
             [
+                "--quiet",
                 "worker",
                 "--queues",
                 registered.queue,

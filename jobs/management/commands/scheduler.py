@@ -34,6 +34,7 @@ class Command(BaseCommand):
         self.stdout.write("scheduler started")
         app.worker_main(
             [
+                "--quiet",
                 "worker",
                 "--queues",
                 "hangar.scheduler",

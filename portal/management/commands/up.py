@@ -12,7 +12,9 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
+from fleet.models import Node
 from portal.models import Membership, Project, Role
 
 STOP_SECONDS = 20
@@ -22,8 +24,8 @@ class Command(BaseCommand):
     help = "Migrate, create the admin user, and run web + scheduler + a node agent until Ctrl-C."
 
     def add_arguments(self, parser):
-        parser.add_argument("--host", default=os.environ.get("HANGAR_HOST", "127.0.0.1"))
-        parser.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT", "8000")))
+        parser.add_argument("--host", default=os.environ.get("HANGAR_HOST") or "127.0.0.1")
+        parser.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT") or 8000))
         parser.add_argument("--no-agent", action="store_true", help="Do not start a node agent on this machine.")
 
     def handle(self, *args, host, port, no_agent, **options):
@@ -31,9 +33,12 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         login = ensure_admin()
         ensure_default_project()
+        started = timezone.now()
         children = start_children(host, port, no_agent)
         try:
             wait_for_port(host, port, children)
+            if not no_agent:
+                wait_for_agent(started, children)
             self.banner(host, port, login, no_agent)
             watch(children)
         except KeyboardInterrupt:
@@ -100,7 +105,7 @@ def start_children(host: str, port: int, no_agent: bool) -> dict[str, subprocess
             "--port",
             str(port),
             "--ws",
-            "websockets",
+            "websockets-sansio",
             "--no-access-log",
             "--log-level",
             "warning",
@@ -124,6 +129,15 @@ def wait_for_port(host: str, port: int, children: dict[str, subprocess.Popen], t
         except OSError:
             time.sleep(0.2)
     raise CommandError(f"the web server did not listen on {host}:{port} within {timeout:.0f}s")
+
+
+def wait_for_agent(since, children: dict[str, subprocess.Popen], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not Node.objects.filter(last_heartbeat_at__gte=since).exists():
+        check_alive(children)
+        if time.monotonic() > deadline:
+            raise CommandError(f"the node agent did not register within {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 def check_alive(children: dict[str, subprocess.Popen]) -> None:

@@ -1,0 +1,346 @@
+"""Placing queued jobs on free GPUs, reconciling what agents stopped reporting, and cancelling."""
+
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from fleet.models import Node, NodeState
+from jobs.models import Attempt, AttemptState, FailureClass, Job, JobEvent, JobState, Priority
+from jobs.scheduler import FreeNode, Request, place, reconcile, schedule_pass
+from portal.models import AuditEvent
+from tests.conftest import make_attempt, make_job, make_node
+
+# --- place: the pure decision ---------------------------------------------------
+
+
+def test_it_picks_the_node_with_the_fewest_free_gpus_that_fits():
+    nodes = [FreeNode(1, "H100", [0, 1, 2, 3]), FreeNode(2, "H100", [2, 3]), FreeNode(3, "H100", [3])]
+
+    assert place(Request(2), nodes) == (2, [2, 3])
+
+
+def test_it_breaks_ties_by_the_lowest_node_id():
+    nodes = [FreeNode(7, "H100", [0, 1]), FreeNode(3, "H100", [0, 1])]
+
+    assert place(Request(1), nodes) == (3, [0])
+
+
+def test_it_respects_the_gpu_type():
+    nodes = [FreeNode(1, "A100", [0]), FreeNode(2, "H100", [0, 1, 2, 3])]
+
+    assert place(Request(1, "H100"), nodes) == (2, [0])
+    assert place(Request(1, "A100"), nodes) == (1, [0])
+    assert place(Request(1), nodes) == (1, [0])
+
+
+def test_it_returns_none_when_nothing_fits():
+    nodes = [FreeNode(1, "H100", [0, 1]), FreeNode(2, "A100", [0, 1, 2, 3])]
+
+    assert place(Request(3, "H100"), nodes) is None
+    assert place(Request(5), nodes) is None
+    assert place(Request(1, "B300"), nodes) is None
+    assert place(Request(1), []) is None
+
+
+def test_it_takes_the_lowest_free_indices():
+    assert place(Request(2), [FreeNode(1, "H100", [3, 1, 2])]) == (1, [1, 2])
+
+
+# --- schedule_pass: the decision applied to the database ------------------------
+
+
+@pytest.fixture
+def dispatched(monkeypatch) -> list[tuple[int, str]]:
+    """What the pass would send to the node agents' queues (the broker is not under test here)."""
+    sent: list[tuple[int, str]] = []
+    monkeypatch.setattr("jobs.scheduler.dispatch", lambda attempt_id, queue: sent.append((attempt_id, queue)))
+    return sent
+
+
+def run_pass(capture) -> list[Attempt]:
+    with capture(execute=True):
+        return schedule_pass()
+
+
+def test_it_places_a_queued_job_on_a_ready_node(project, owner, node, dispatched, django_capture_on_commit_callbacks):
+    job = make_job(project, owner, gpus_per_node=2)
+
+    placed = run_pass(django_capture_on_commit_callbacks)
+
+    attempt = Attempt.objects.get(job=job)
+    assert placed == [attempt]
+    assert attempt.state == AttemptState.SCHEDULED
+    assert attempt.node == node
+    assert attempt.gpu_indices == [0, 1]
+    assert attempt.number == 1
+    job.refresh_from_db()
+    assert job.state == JobState.SCHEDULED
+    assert dispatched == [(attempt.pk, "hangar.node.node-a")]
+    assert JobEvent.objects.filter(job=job, kind="scheduled", attempt=attempt).exists()
+
+
+def test_it_never_gives_one_gpu_to_two_jobs(project, owner, node, dispatched, django_capture_on_commit_callbacks):
+    jobs = [make_job(project, owner, gpus_per_node=gpus) for gpus in (1, 2, 1, 1)]
+
+    run_pass(django_capture_on_commit_callbacks)
+    run_pass(django_capture_on_commit_callbacks)  # a second pass finds the node full
+
+    indices = [i for a in Attempt.objects.filter(node=node) for i in a.gpu_indices]
+    assert sorted(indices) == [0, 1, 2, 3]
+    states = [Job.objects.get(pk=j.pk).state for j in jobs]
+    assert states == [JobState.SCHEDULED, JobState.SCHEDULED, JobState.SCHEDULED, JobState.QUEUED]
+    assert len(dispatched) == 3
+
+
+def test_it_fills_gpus_freed_by_a_finished_attempt(
+    project, owner, node, dispatched, django_capture_on_commit_callbacks
+):
+    first = make_job(project, owner, gpus_per_node=4)
+    second = make_job(project, owner, gpus_per_node=2)
+    run_pass(django_capture_on_commit_callbacks)
+    assert Job.objects.get(pk=second.pk).state == JobState.QUEUED
+
+    first.attempts.get().finish(AttemptState.SUCCEEDED, exit_code=0)
+    run_pass(django_capture_on_commit_callbacks)
+
+    assert second.attempts.get().gpu_indices == [0, 1]
+    assert Job.objects.get(pk=first.pk).state == JobState.SUCCEEDED
+
+
+def test_it_skips_a_cordoned_node(project, owner, node, dispatched, django_capture_on_commit_callbacks):
+    node.cordon(owner, "bad fan")
+    job = make_job(project, owner)
+
+    assert run_pass(django_capture_on_commit_callbacks) == []
+    assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
+    assert dispatched == []
+
+
+def test_it_skips_a_node_whose_heartbeat_is_stale(project, owner, node, dispatched, django_capture_on_commit_callbacks):
+    stale = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS + 5)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=stale)
+    fresh = make_node("node-b", gpus=8)
+    job = make_job(project, owner)
+
+    run_pass(django_capture_on_commit_callbacks)
+
+    assert job.attempts.get().node == fresh
+    assert dispatched == [(job.attempts.get().pk, "hangar.node.node-b")]
+
+
+def test_it_respects_the_gpu_type_of_a_job(project, owner, node, dispatched, django_capture_on_commit_callbacks):
+    a100 = make_node("node-b", gpus=2, model="A100")
+    job = make_job(project, owner, gpu_type="A100")
+
+    run_pass(django_capture_on_commit_callbacks)
+
+    assert job.attempts.get().node == a100
+
+
+def test_higher_priority_goes_first_when_capacity_is_short(
+    project, owner, node, dispatched, django_capture_on_commit_callbacks
+):
+    low = make_job(project, owner, gpus_per_node=4, priority=Priority.LOW)
+    high = make_job(project, owner, gpus_per_node=4, priority=Priority.HIGH)
+
+    run_pass(django_capture_on_commit_callbacks)
+
+    assert Job.objects.get(pk=high.pk).state == JobState.SCHEDULED
+    assert Job.objects.get(pk=low.pk).state == JobState.QUEUED
+
+
+def test_equal_priority_goes_in_queue_order(project, owner, node, dispatched, django_capture_on_commit_callbacks):
+    earlier = make_job(project, owner, gpus_per_node=4, queued_at=timezone.now() - timedelta(minutes=5))
+    later = make_job(project, owner, gpus_per_node=4)
+
+    run_pass(django_capture_on_commit_callbacks)
+
+    assert Job.objects.get(pk=earlier.pk).state == JobState.SCHEDULED
+    assert Job.objects.get(pk=later.pk).state == JobState.QUEUED
+
+
+# --- reconcile --------------------------------------------------------------------
+
+
+def test_an_attempt_whose_lease_expired_is_lost_and_its_job_requeued(project, owner, node):
+    job = make_job(project, owner)
+    past = timezone.now() - timedelta(seconds=1)
+    attempt = make_attempt(job, node, AttemptState.RUNNING, running_at=past, lease_expires_at=past)
+
+    reconcile()
+
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.state == AttemptState.LOST
+    assert attempt.failure_class == FailureClass.INFRA
+    assert attempt.finished_at is not None
+    assert job.state == JobState.QUEUED
+    assert job.requeues == 1
+    assert job.finished_at is None
+    assert JobEvent.objects.filter(job=job, kind="requeue").exists()
+
+
+def test_an_attempt_with_a_live_lease_is_left_alone(project, owner, node):
+    job = make_job(project, owner)
+    attempt = make_attempt(job, node, AttemptState.RUNNING, lease_expires_at=timezone.now() + timedelta(seconds=30))
+
+    reconcile()
+
+    attempt.refresh_from_db()
+    assert attempt.state == AttemptState.RUNNING
+    assert Job.objects.get(pk=job.pk).state == JobState.RUNNING
+
+
+def test_a_job_that_used_up_its_requeues_fails(project, owner, node, settings):
+    job = make_job(project, owner, requeues=settings.HANGAR_MAX_REQUEUES)
+    past = timezone.now() - timedelta(seconds=1)
+    make_attempt(job, node, AttemptState.RUNNING, lease_expires_at=past)
+
+    reconcile()
+
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED
+    assert job.failure_class == FailureClass.INFRA
+
+
+def test_an_attempt_no_agent_started_is_requeued(project, owner, node, settings):
+    job = make_job(project, owner)
+    long_ago = timezone.now() - timedelta(seconds=settings.HANGAR_START_TIMEOUT_SECONDS + 5)
+    attempt = make_attempt(job, node, AttemptState.SCHEDULED, scheduled_at=long_ago)
+
+    reconcile()
+
+    attempt.refresh_from_db()
+    assert attempt.state == AttemptState.LOST
+    assert "no agent started it" in attempt.reason
+    assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
+
+
+def test_a_silent_node_goes_offline(node, settings):
+    stale = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS + 5)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=stale)
+
+    reconcile()
+    reconcile()  # once only
+
+    node.refresh_from_db()
+    assert node.state == NodeState.OFFLINE
+    assert "no heartbeat since" in node.state_reason
+    events = AuditEvent.objects.filter(action="node.offline", target_type="fleet.node", target_id=str(node.pk))
+    assert events.count() == 1
+    assert events.get().detail == {"previous_state": "ready"}
+
+
+def test_a_silent_cordoned_node_keeps_its_cordon(node, owner, settings):
+    node.cordon(owner, "bad fan")
+    stale = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS + 5)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=stale)
+
+    reconcile()
+    node.heartbeat()
+
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == (NodeState.CORDONED, "bad fan")
+
+
+def test_a_node_with_a_fresh_heartbeat_stays_ready(node):
+    reconcile()
+
+    node.refresh_from_db()
+    assert node.state == NodeState.READY
+    assert not AuditEvent.objects.filter(action="node.offline").exists()
+
+
+def test_an_offline_node_comes_back_with_its_heartbeat(node):
+    Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE)
+
+    node.heartbeat()
+
+    node.refresh_from_db()
+    assert node.state == NodeState.READY
+    assert AuditEvent.objects.filter(action="node.online").count() == 1
+
+
+# --- cancel -----------------------------------------------------------------------
+
+
+def test_cancelling_a_queued_job_ends_it(project, owner):
+    job = make_job(project, owner)
+
+    assert job.cancel(owner, "not needed")
+
+    assert job.state == JobState.CANCELLED
+    assert job.failure_class == FailureClass.CANCELLED
+    assert job.finished_at is not None
+    assert AuditEvent.objects.filter(action="job.cancel", target_id=str(job.pk), reason="not needed").exists()
+    assert JobEvent.objects.filter(job=job, kind="cancel").exists()
+
+
+def test_cancelling_a_scheduled_job_cancels_its_attempt(project, owner, node):
+    job = make_job(project, owner)
+    attempt = make_attempt(job, node, AttemptState.SCHEDULED)
+
+    assert job.cancel(owner)
+
+    attempt.refresh_from_db()
+    assert attempt.state == AttemptState.CANCELLED
+    assert job.state == JobState.CANCELLED
+    assert job.state_reason == "cancelled by owner"
+
+
+def test_cancelling_a_running_job_asks_its_agent_to_stop(project, owner, node):
+    job = make_job(project, owner)
+    attempt = make_attempt(job, node, AttemptState.RUNNING)
+
+    assert job.cancel(owner, "wrong data")
+    assert not job.cancel(owner, "again")  # already asked
+
+    attempt.refresh_from_db()
+    assert attempt.cancel_requested_at is not None
+    assert attempt.state == AttemptState.RUNNING
+    assert attempt.reason == "wrong data"
+    assert job.state == JobState.RUNNING
+
+
+def test_a_running_job_asked_to_cancel_ends_cancelled_whatever_its_exit(project, owner, node):
+    job = make_job(project, owner)
+    attempt = make_attempt(job, node, AttemptState.RUNNING)
+    job.cancel(owner, "stop")
+
+    attempt.finish(AttemptState.FAILED, FailureClass.USER, "killed by SIGTERM (exit code 143)", exit_code=143)
+
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+    assert job.failure_class == FailureClass.CANCELLED
+
+
+def test_cancelling_a_finished_job_does_nothing(project, owner):
+    job = make_job(project, owner, state=JobState.SUCCEEDED)
+
+    assert not job.cancel(owner)
+    assert job.state == JobState.SUCCEEDED
+    assert not AuditEvent.objects.filter(action="job.cancel").exists()
+
+
+def test_the_database_refuses_a_second_live_attempt(project, owner, node):
+    job = make_job(project, owner)
+    make_attempt(job, node, AttemptState.RUNNING, gpu_indices=[0])
+
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Attempt.objects.create(
+            job=job, number=2, node=node, state=AttemptState.SCHEDULED, gpu_indices=[1], queued_at=job.queued_at
+        )
+
+    assert job.attempts.count() == 1
+
+
+def test_a_finished_attempt_does_not_block_a_new_one(project, owner, node):
+    job = make_job(project, owner)
+    make_attempt(job, node, AttemptState.RUNNING).finish(AttemptState.LOST, FailureClass.INFRA, "node died")
+
+    second = make_attempt(job, node, AttemptState.SCHEDULED)
+
+    assert second.number == 2
