@@ -142,7 +142,7 @@ class LiveStack:
 
 
 class ServicesDatabase:
-    """A fresh PostgreSQL database and a flushed Redis database for one services-mode stack."""
+    """A fresh PostgreSQL database and a Redis key prefix of its own for one services-mode stack."""
 
     def __init__(self):
         self.name = f"hangar_test_{uuid.uuid4().hex[:10]}"
@@ -164,21 +164,24 @@ class ServicesDatabase:
 
     def __enter__(self) -> dict[str, str]:
         import psycopg
-        import redis
 
         with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{self.name}"')
-        redis.Redis.from_url(REDIS_TEST_URL).flushdb()
         database_url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + "/" + self.name
         return {
             "DATABASE_URL": database_url,
             "CELERY_BROKER_URL": REDIS_TEST_URL,
             "REDIS_URL": REDIS_TEST_URL,
-            "HANGAR_CHANNEL_PREFIX": self.name,
+            "HANGAR_REDIS_PREFIX": self.name,
         }
 
     def __exit__(self, *exc) -> None:
         import psycopg
+        import redis
+
+        client = redis.Redis.from_url(REDIS_TEST_URL)
+        for key in client.scan_iter(f"{self.name}*"):
+            client.delete(key)
 
         with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')

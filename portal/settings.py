@@ -188,11 +188,14 @@ REST_FRAMEWORK = {
 
 # --- Live delivery -------------------------------------------------------
 REDIS_URL = env_str("REDIS_URL")
+# Keys of Hangar's Channels layer and (with a Redis broker) its Celery queues
+# start with this, so several Hangars can share one Redis.
+REDIS_PREFIX = env_str("HANGAR_REDIS_PREFIX", "hangar")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("HANGAR_CHANNEL_PREFIX", "hangar")},
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": REDIS_PREFIX},
         }
     }
 else:
@@ -206,6 +209,8 @@ HANGAR_LOG_POLL_SECONDS = env_float("HANGAR_LOG_POLL_SECONDS", 2.0 if REDIS_URL 
 BROKER_DIR = DATA_DIR / "broker"
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://localhost/")
 CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{REDIS_PREFIX}:"}
 if CELERY_BROKER_URL.startswith("filesystem://"):
     for sub in ("queue", "control", "processed"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
