@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 class LiveStack:
-    def __init__(self, env: dict[str, str] | None = None, data_dir: str | None = None):
+    def __init__(self, env: dict[str, str] | None = None, data_dir: str | None = None, local_agent: bool = True):
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="hangar-stack-"))
         self.port = free_port()
         self.password = secrets.token_urlsafe(12)
@@ -45,7 +45,9 @@ class LiveStack:
             "HANGAR_KILL_GRACE_SECONDS": "2",
             **(env or {}),
         }
+        self.local_agent = local_agent
         self.proc: subprocess.Popen | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
         self.token = ""
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}"
@@ -64,7 +66,7 @@ class LiveStack:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "manage.py", "up"],
+                [sys.executable, "manage.py", "up", *([] if self.local_agent else ["--no-agent"])],
                 cwd=BASE_DIR,
                 env=self.env,
                 stdout=out,
@@ -74,7 +76,8 @@ class LiveStack:
         deadline = time.monotonic() + timeout
         self._wait(lambda: self._port_open(), deadline, "the web server to listen")
         self.token = self.manage("create_token", "admin", "--name", "livestack")
-        self._wait(self._node_ready, deadline, "a node agent to register")
+        if self.local_agent:
+            self._wait(self._node_ready, deadline, "a node agent to register")
         return self
 
     def _wait(self, ready, deadline: float, what: str) -> None:
@@ -93,22 +96,46 @@ class LiveStack:
         except OSError:
             return False
 
-    def _node_ready(self) -> bool:
+    def _node_ready(self, name: str | None = None) -> bool:
         nodes = self.api("GET", "/api/v1/nodes/").json()["results"]
-        return any(n["state"] == "ready" for n in nodes)
+        return any(n["state"] == "ready" and name in (None, n["name"]) for n in nodes)
+
+    def start_agent(self, name: str, gpus: int = 4, model: str = "H100", timeout: float = 60) -> subprocess.Popen:
+        """One more node agent (simulated GPUs) on the same database and broker."""
+        env = {**self.env, "HANGAR_NODE_NAME": name, "HANGAR_SIM_GPUS": str(gpus), "HANGAR_SIM_GPU_MODEL": model}
+        with open(self.data_dir / f"agent-{name}.log", "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "manage.py", "agent"],
+                cwd=BASE_DIR,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.agents[name] = proc
+        deadline = time.monotonic() + timeout
+        while not self._node_ready(name):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = (self.data_dir / f"agent-{name}.log").read_text(errors="replace")
+                raise RuntimeError(f"agent {name} did not register (exit {proc.poll()}):\n{log[-5000:]}")
+            time.sleep(0.2)
+        return proc
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")[-20000:] if self.log_path.exists() else ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        for proc in [*self.agents.values(), self.proc]:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT if proc is self.proc else signal.SIGTERM)
+        for proc in [*self.agents.values(), self.proc]:
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def __enter__(self) -> "LiveStack":
         return self.start()
