@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from jobs.logingest import LogWriter, read_lines
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
+from portal.models import volume_env_name
 
 log = logging.getLogger("hangar.agent")
 
@@ -123,6 +124,8 @@ class Runner:
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
         env.update({str(k): str(v) for k, v in job.env.items()})
+        env.update({str(k): str(v) for k, v in job.secret_env.items()})
+        env.update({volume_env_name(v["name"]): v["path"] for v in job.volumes})
         env.update(
             CUDA_VISIBLE_DEVICES=self.gpu_list(),
             HANGAR_JOB_ID=str(job.pk),

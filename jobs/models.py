@@ -104,11 +104,21 @@ class Job(models.Model):
     failure_class = models.CharField(max_length=16, choices=FailureClass.choices, blank=True)
     state_reason = models.TextField(blank=True)
     requeues = models.PositiveIntegerField(default=0, help_text="Times requeued after an infrastructure failure.")
+    idempotency_key = models.CharField(max_length=200, blank=True, help_text="A retried submit returns this job.")
+    secret_env = models.JSONField(default=dict, blank=True, help_text="Given to the job, never shown back.")
+    volumes = models.JSONField(default=list, blank=True, help_text="[{name, path, mode, version}] as submitted.")
 
     objects = JobQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["submitted_by", "idempotency_key"],
+                condition=~Q(idempotency_key=""),
+                name="job_idempotency_key_per_user",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"job {self.pk} {self.name}"

@@ -2,7 +2,7 @@
 
 from channels.db import database_sync_to_async
 from channels.middleware import BaseMiddleware
-from rest_framework import authentication, exceptions
+from rest_framework import authentication, exceptions, permissions
 
 from portal.models import ApiToken
 
@@ -26,10 +26,10 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed(
                 "Authorization header must be 'Bearer <token>'; create a token with `manage.py create_token USER`"
             )
-        user = ApiToken.authenticate(raw)
-        if user is None:
+        token = ApiToken.authenticate(raw)
+        if token is None:
             raise exceptions.AuthenticationFailed("API token is unknown or revoked; create a new one")
-        return (user, raw)
+        return (token.user, token)
 
     def authenticate_header(self, request) -> str:
         return 'Bearer realm="api"'
@@ -46,7 +46,18 @@ class WebsocketTokenMiddleware(BaseMiddleware):
         header = headers.get(b"authorization", b"").decode("latin-1")
         raw = token_from_header(header) if header else None
         if raw:
-            user = await database_sync_to_async(ApiToken.authenticate)(raw)
-            if user is not None:
-                scope["user"] = user
+            token = await database_sync_to_async(ApiToken.authenticate)(raw)
+            if token is not None:
+                scope["user"] = token.user
         return await super().__call__(scope, receive, send)
+
+
+class TokenScope(permissions.BasePermission):
+    """A read-only token may only read. (Its project limit is applied by
+    `Project.objects.visible_to`, which every queryset goes through.)"""
+
+    message = "this API token is read-only; create a token without --read-only to submit, cancel or change things"
+
+    def has_permission(self, request, view) -> bool:
+        token = request.auth if isinstance(request.auth, ApiToken) else None
+        return token is None or not token.read_only or request.method in permissions.SAFE_METHODS

@@ -21,21 +21,34 @@ ROLE_RANK = {Role.VIEWER: 0, Role.MEMBER: 1, Role.MANAGER: 2, Role.ADMIN: 3}
 
 class ProjectQuerySet(models.QuerySet):
     def visible_to(self, user) -> "ProjectQuerySet":
-        """The one place that says which projects a user may see."""
+        """The one place that says which projects a user may see.
+
+        A request made with a project-limited API token carries that limit on
+        its user (`token_project_id`, set by the token authentication), so every
+        page, endpoint and websocket scoped here is limited with it.
+        """
         if user is None or not user.is_authenticated:
             return self.none()
-        if user.is_superuser:
-            return self
-        return self.filter(memberships__user=user).distinct()
+        projects = self if user.is_superuser else self.filter(memberships__user=user).distinct()
+        if limit := getattr(user, "token_project_id", None):
+            projects = projects.filter(pk=limit)
+        return projects
 
     def with_role(self, user, role: str) -> "ProjectQuerySet":
         """Projects where the user holds `role` or a higher one."""
-        if user is None or not user.is_authenticated:
-            return self.none()
-        if user.is_superuser:
-            return self
+        projects = self.visible_to(user)
+        if user is None or not user.is_authenticated or user.is_superuser:
+            return projects
         allowed = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
-        return self.filter(memberships__user=user, memberships__role__in=allowed).distinct()
+        return projects.filter(memberships__user=user, memberships__role__in=allowed).distinct()
+
+    def role_of(self, user, project: "Project") -> str | None:
+        """The user's role in the project (admin for superusers), or None."""
+        if user is None or not user.is_authenticated or not self.visible_to(user).filter(pk=project.pk).exists():
+            return None
+        if user.is_superuser:
+            return Role.ADMIN
+        return Membership.objects.filter(project=project, user=user).values_list("role", flat=True).first()
 
 
 class Project(models.Model):
@@ -77,10 +90,18 @@ class ApiTokenQuerySet(models.QuerySet):
 
 
 class ApiToken(models.Model):
-    """A named bearer token for agents and the CLI. Only its SHA-256 is stored."""
+    """A named bearer token for agents and the CLI. Only its SHA-256 is stored.
+
+    A token may be limited to one project (it sees and touches nothing else)
+    and to reading (every unsafe method is refused).
+    """
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
     name = models.CharField(max_length=100)
+    project = models.ForeignKey(
+        Project, null=True, blank=True, on_delete=models.CASCADE, related_name="+", help_text="Blank: all projects."
+    )
+    read_only = models.BooleanField(default=False)
     digest = models.CharField(max_length=64, unique=True)
     hint = models.CharField(max_length=12, help_text="First characters, to recognise the token.")
     created_at = models.DateTimeField(default=timezone.now)
@@ -92,17 +113,30 @@ class ApiToken(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.hint}…)"
 
-    @classmethod
-    def issue(cls, user, name: str) -> tuple["ApiToken", str]:
-        """Create a token and return it with its secret, which is shown this once."""
-        raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        token = cls.objects.create(user=user, name=name, digest=hash_token(raw), hint=raw[:10])
-        AuditEvent.record(user, "token.create", token, detail={"name": name})
-        return token, raw
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None
 
     @classmethod
-    def authenticate(cls, raw: str):
-        """The user a raw token belongs to, or None."""
+    def issue(cls, user, name: str, project: Project | None = None, read_only: bool = False) -> tuple["ApiToken", str]:
+        """Create a token and return it with its secret, which is shown this once."""
+        raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        token = cls.objects.create(
+            user=user, name=name, digest=hash_token(raw), hint=raw[:10], project=project, read_only=read_only
+        )
+        detail = {"name": name, "project": project.slug if project else None, "read_only": read_only}
+        AuditEvent.record(user, "token.create", token, detail=detail)
+        return token, raw
+
+    def revoke(self, by) -> bool:
+        if not ApiToken.objects.filter(pk=self.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()):
+            return False
+        AuditEvent.record(by, "token.revoke", self, detail={"name": self.name})
+        return True
+
+    @classmethod
+    def authenticate(cls, raw: str) -> "ApiToken | None":
+        """The active token for a raw secret, with its user limited by it, or None."""
         token = cls.objects.active().select_related("user").filter(digest=hash_token(raw)).first()
         if token is None or not token.user.is_active:
             return None
@@ -111,7 +145,46 @@ class ApiToken(models.Model):
         # not turn every read into a database write.
         if token.last_used_at is None or now - token.last_used_at > timedelta(minutes=1):
             cls.objects.filter(pk=token.pk).update(last_used_at=now)
-        return token.user
+        token.user.token_project_id = token.project_id
+        token.user.token_read_only = token.read_only
+        return token
+
+
+def volume_env_name(name: str) -> str:
+    """The variable a job finds a volume's path in: `train-data` -> HANGAR_VOLUME_TRAIN_DATA."""
+    return "HANGAR_VOLUME_" + name.upper().replace("-", "_")
+
+
+class VolumeMode(models.TextChoices):
+    READ = "ro", "read-only"
+    READ_WRITE = "rw", "read-write"
+
+
+class Volume(models.Model):
+    """A project's data (a dataset, checkpoints, outputs) registered as a path, with the
+    lowest role that may mount it read-only and read-write."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="volumes")
+    name = models.SlugField(max_length=64, help_text="Seen by jobs as HANGAR_VOLUME_<NAME>.")
+    path = models.CharField(max_length=1000)
+    version = models.CharField(max_length=100, blank=True, help_text="Recorded on each job that uses it.")
+    read_role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    write_role = models.CharField(max_length=16, choices=Role.choices, default=Role.MANAGER)
+
+    class Meta:
+        ordering = ["project", "name"]
+        constraints = [models.UniqueConstraint(fields=["project", "name"], name="volume_name_per_project")]
+
+    def __str__(self) -> str:
+        return f"{self.project}/{self.name}"
+
+    @property
+    def env_name(self) -> str:
+        return volume_env_name(self.name)
+
+    def allows(self, role: str | None, mode: str) -> bool:
+        needed = self.write_role if mode == VolumeMode.READ_WRITE else self.read_role
+        return role is not None and ROLE_RANK[role] >= ROLE_RANK[needed]
 
 
 class AuditEvent(models.Model):

@@ -91,6 +91,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "portal",
     "fleet",
@@ -177,14 +179,50 @@ REST_FRAMEWORK = {
         "portal.auth.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated", "portal.auth.TokenScope"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
+    # Per API token (or per signed-in user, or per address when anonymous),
+    # counted in this process's cache: "N/s", "N/min", "N/hour" or "N/day".
+    "DEFAULT_THROTTLE_RATES": {"token": env_str("HANGAR_API_RATE_LIMIT", "1200/min")},
 }
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Hangar API",
+    "DESCRIPTION": "Jobs, logs, nodes, projects and tokens of a Hangar GPU fleet. "
+    "Authenticate with `Authorization: Bearer <token>`; every error has the shape "
+    '`{"code", "message", "errors": [{"field", "message"}]}`.',
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI and Redoc are served from the bundled sidecar package: no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    "ENUM_NAME_OVERRIDES": {"RoleEnum": "portal.models.Role.choices"},
+}
+
+# --- Production (HTTPS) ------------------------------------------------------
+# Behind HTTPS set HANGAR_HTTPS=1: secure cookies, HSTS and a redirect to https,
+# which is what `manage.py check --deploy` asks for.
+HANGAR_HTTPS = env_bool("HANGAR_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HANGAR_HTTPS
+SECURE_SSL_REDIRECT = HANGAR_HTTPS
+SECURE_HSTS_SECONDS = env_int("HANGAR_HSTS_SECONDS", 31536000 if HANGAR_HTTPS else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = HANGAR_HTTPS
+SECURE_HSTS_PRELOAD = env_bool("HANGAR_HSTS_PRELOAD", False)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+if env_bool("HANGAR_BEHIND_PROXY", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SILENCED_SYSTEM_CHECKS = env_list("HANGAR_SILENCED_SYSTEM_CHECKS", [])
 
 # --- Live delivery -------------------------------------------------------
 REDIS_URL = env_str("REDIS_URL")

@@ -1,13 +1,18 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from portal import views
 
 api_v1 = [
     path("", include("jobs.api.urls")),
     path("", include("fleet.api.urls")),
+    path("", include("portal.api.urls")),
 ]
+
+handler404 = "portal.api.errors.not_found"
+handler500 = "portal.api.errors.crashed"
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -15,6 +20,11 @@ urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("jobs/", include("jobs.urls")),
+    path("tokens/", views.tokens, name="tokens"),
+    path("tokens/<int:pk>/revoke/", views.revoke_token, name="token-revoke"),
     path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-redoc"),
     path("admin/", admin.site.urls),
 ]

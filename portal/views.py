@@ -1,7 +1,11 @@
-from django.shortcuts import render
+from django import forms
+from django.contrib import messages
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
 from fleet.models import Node
 from jobs.models import Job, JobState
+from portal.models import ApiToken, Project
 
 
 def dashboard_context(request) -> dict:
@@ -22,3 +26,35 @@ def dashboard(request):
 def dashboard_panels(request):
     """The dashboard's live part, swapped in by htmx every few seconds."""
     return render(request, "portal/partials/dashboard_panels.html", dashboard_context(request))
+
+
+class TokenForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="What uses it, e.g. 'laptop CLI' or 'sweep agent'.")
+    project = forms.ModelChoiceField(
+        queryset=Project.objects.none(), required=False, empty_label="All my projects", to_field_name="slug"
+    )
+    read_only = forms.BooleanField(required=False, help_text="Can read jobs, logs and nodes, never change anything.")
+
+    def __init__(self, user, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["project"].queryset = Project.objects.visible_to(user)
+
+
+def tokens(request):
+    """Create and revoke your API tokens; a new token's secret is shown once, on this response only."""
+    form = TokenForm(request.user, request.POST or None)
+    secret = None
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        _, secret = ApiToken.issue(request.user, data["name"], data["project"], data["read_only"])
+        form = TokenForm(request.user)
+    mine = ApiToken.objects.filter(user=request.user).select_related("project").order_by("-created_at")
+    return render(request, "portal/tokens.html", {"form": form, "tokens": mine, "secret": secret})
+
+
+@require_POST
+def revoke_token(request, pk: int):
+    token = get_object_or_404(ApiToken, pk=pk, user=request.user)
+    if token.revoke(request.user):
+        messages.success(request, f"Token {token.name} revoked.")
+    return redirect("tokens")

@@ -93,3 +93,21 @@ def api_client(user=None) -> APIClient:
         _, raw = ApiToken.issue(user, "test")
         client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
     return client
+
+
+@pytest.fixture
+def roles(db) -> dict:
+    """One user per role in project `lab`, and an outsider who is only in project `other`."""
+    users = {role: make_user(f"lab-{role}") for role in Role.values}
+    users["lab"] = make_project("lab", **{role: users[role] for role in Role.values})
+    users["outsider"] = make_user("lab-outsider")
+    users["other"] = make_project("other", **{Role.ADMIN: users["outsider"]})
+    return users
+
+
+def token_client(user, project: Project | None = None, read_only: bool = False) -> APIClient:
+    """A client authenticated by a token that may be limited to one project and to reading."""
+    client = APIClient()
+    _, raw = ApiToken.issue(user, "test", project=project, read_only=read_only)
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    return client

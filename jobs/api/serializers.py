@@ -8,7 +8,9 @@ from rest_framework import serializers
 from fleet.models import Node
 from jobs.models import Attempt, Job, JobEvent, Priority
 from jobs.scheduler import request_pass
-from portal.models import Project, Role
+from portal.models import Project, Role, VolumeMode
+
+SECRET_MASK = "********"
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
@@ -31,6 +33,26 @@ class ArgvField(serializers.ListField):
         return argv
 
 
+def check_env_names(env: dict) -> dict:
+    for key in env:
+        if not ENV_NAME.match(key):
+            raise serializers.ValidationError(
+                f"{key!r} is not a valid variable name; use letters, digits and '_', not starting with a digit"
+            )
+        if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
+            raise serializers.ValidationError(f"{key} is set by Hangar for each attempt; remove it from env")
+    return env
+
+
+class VolumeRequestSerializer(serializers.Serializer):
+    name = serializers.SlugField(max_length=64)
+    mode = serializers.ChoiceField(
+        choices=VolumeMode.choices,
+        default=VolumeMode.READ,
+        error_messages={"invalid_choice": "{input} is not a volume mode; use ro (read-only) or rw (read-write)"},
+    )
+
+
 class JobSubmitSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True)
     project = serializers.SlugField(
@@ -45,6 +67,18 @@ class JobSubmitSerializer(serializers.Serializer):
         }
     )
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False)
+    secret_env = serializers.DictField(
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False),
+        required=False,
+        help_text="Variables given to the job but never shown back (masked in pages, API and audit).",
+    )
+    volumes = VolumeRequestSerializer(many=True, required=False)
+    idempotency_key = serializers.CharField(
+        max_length=200,
+        required=False,
+        allow_blank=True,
+        help_text="Or the Idempotency-Key header: a retried submit with the same key returns the first job.",
+    )
     gpus_per_node = serializers.IntegerField(
         default=1,
         min_value=1,
@@ -80,6 +114,7 @@ class JobSubmitSerializer(serializers.Serializer):
                 {name: f"is not a job field; known fields are {', '.join(self.fields)}" for name in unknown}
             )
         self.check_capacity(attrs)
+        self.check_volumes(attrs)
         return attrs
 
     def validate_project(self, slug: str) -> Project:
@@ -91,14 +126,44 @@ class JobSubmitSerializer(serializers.Serializer):
         return project
 
     def validate_env(self, env: dict) -> dict:
-        for key in env:
-            if not ENV_NAME.match(key):
-                raise serializers.ValidationError(
-                    f"{key!r} is not a valid variable name; use letters, digits and '_', not starting with a digit"
-                )
-            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
-                raise serializers.ValidationError(f"{key} is set by Hangar for each attempt; remove it from env")
+        return check_env_names(env)
+
+    def validate_secret_env(self, env: dict) -> dict:
+        env = check_env_names(env)
+        both = sorted(set(env) & set(self.initial_data.get("env") or {})) if isinstance(self.initial_data, dict) else []
+        if both:
+            raise serializers.ValidationError(f"{', '.join(both)} is also in env; give each variable in one of them")
         return env
+
+    def check_volumes(self, attrs) -> None:
+        """Each volume must exist in the project and the user's role must grant its mode."""
+        wanted = attrs.get("volumes") or []
+        project = attrs.get("project")
+        if not wanted or project is None:
+            return
+        role = Project.objects.role_of(self.context["request"].user, project)
+        known = {v.name: v for v in project.volumes.all()}
+        granted = []
+        for index, request in enumerate(wanted):
+            volume = known.get(request["name"])
+            field = f"volumes[{index}].name"
+            if volume is None:
+                names = ", ".join(known) or "none registered"
+                raise serializers.ValidationError(
+                    {field: f"project {project} has no volume {request['name']!r}; its volumes: {names}"}
+                )
+            if not volume.allows(role, request["mode"]):
+                writing = request["mode"] == VolumeMode.READ_WRITE
+                needed = volume.write_role if writing else volume.read_role
+                fix = "; ask for mode ro" if writing else "; ask a project admin for a higher role"
+                message = (
+                    f"mounting {volume.name} {request['mode']} needs the {needed} role in {project}; you are {role}"
+                )
+                raise serializers.ValidationError({field: message + fix})
+            granted.append(
+                {"name": volume.name, "path": volume.path, "mode": request["mode"], "version": volume.version}
+            )
+        attrs["volumes"] = granted
 
     def check_capacity(self, attrs) -> None:
         gpus, gpu_type = attrs["gpus_per_node"], attrs.get("gpu_type", "")
@@ -124,6 +189,9 @@ class JobSubmitSerializer(serializers.Serializer):
                 name=validated.get("name") or command[0].rsplit("/", 1)[-1],
                 command=command,
                 env=validated.get("env", {}),
+                secret_env=validated.get("secret_env", {}),
+                volumes=validated.get("volumes", []),
+                idempotency_key=validated.get("idempotency_key", ""),
                 gpus_per_node=validated["gpus_per_node"],
                 nodes=validated["nodes"],
                 gpu_type=validated.get("gpu_type", ""),
@@ -165,6 +233,7 @@ class JobSerializer(serializers.ModelSerializer):
     project = serializers.CharField(source="project.slug")
     submitted_by = serializers.CharField(source="submitted_by.username")
     attempts = AttemptSerializer(many=True, read_only=True)
+    secret_env = serializers.SerializerMethodField(help_text="Names of the secret variables; values are never shown.")
     urls = serializers.SerializerMethodField()
 
     class Meta:
@@ -176,6 +245,9 @@ class JobSerializer(serializers.ModelSerializer):
             "submitted_by",
             "command",
             "env",
+            "secret_env",
+            "volumes",
+            "idempotency_key",
             "gpus_per_node",
             "nodes",
             "gpu_type",
@@ -193,7 +265,10 @@ class JobSerializer(serializers.ModelSerializer):
             "urls",
         ]
 
-    def get_urls(self, job: Job) -> dict:
+    def get_secret_env(self, job: Job) -> dict[str, str]:
+        return dict.fromkeys(job.secret_env, SECRET_MASK)
+
+    def get_urls(self, job: Job) -> dict[str, str]:
         return {
             "api": f"/api/v1/jobs/{job.pk}/",
             "page": f"/jobs/{job.pk}/",

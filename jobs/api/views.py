@@ -1,34 +1,86 @@
+from django.db import IntegrityError
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.exceptions import APIException, PermissionDenied
 from rest_framework.response import Response
 
-from jobs.api.serializers import JobSerializer, JobSubmitSerializer
+from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.messages import wire_lines
-from jobs.models import Job, LogLine
+from jobs.models import Job, JobState, LogLine
 from portal.models import Project, Role
 
 LOG_PAGE_MAX = 5000
+IDEMPOTENCY_HEADER = OpenApiParameter(
+    "Idempotency-Key",
+    OpenApiTypes.STR,
+    OpenApiParameter.HEADER,
+    description="A retried submit with the same key returns the first job (200) instead of creating another.",
+)
+REASON = inline_serializer("Reason", {"reason": serializers.CharField(required=False, allow_blank=True)})
+
+
+class IdempotencyConflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "idempotency_conflict"
 
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
+    queryset = Job.objects.none()  # for the schema; requests use get_queryset
 
     def get_queryset(self):
         jobs = Job.objects.visible_to(self.request.user).select_related("project", "submitted_by")
-        if state := self.request.query_params.get("state"):
-            jobs = jobs.filter(state=state)
-        if project := self.request.query_params.get("project"):
-            jobs = jobs.filter(project__slug=project)
-        return jobs.prefetch_related("attempts__node")
+        return filter_jobs(jobs, self.request.query_params, self.request.user).prefetch_related("attempts__node")
 
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("state", enum=JobState.values),
+            OpenApiParameter("project", str),
+            OpenApiParameter("submitted_by", str, description="a username, or `me`"),
+            OpenApiParameter("name", str, description="part of the job's name"),
+        ]
+    )
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(
+        request=JobSubmitSerializer,
+        responses={201: JobSerializer, 200: JobSerializer},
+        parameters=[IDEMPOTENCY_HEADER],
+    )
     def create(self, request):
-        submit = JobSubmitSerializer(data=request.data, context={"request": request})
+        data = request.data if isinstance(request.data, dict) else {}
+        key = idempotency_key(request, data)
+        if key and (first := self.replay(key, data)) is not None:
+            return first
+        submit = JobSubmitSerializer(
+            data={**data, "idempotency_key": key} if key else request.data, context={"request": request}
+        )
         submit.is_valid(raise_exception=True)
-        job = submit.save()
+        try:
+            job = submit.save()
+        except IntegrityError:
+            # Two retries of one submit raced; the other one's job is the answer.
+            if key and (first := self.replay(key, data)) is not None:
+                return first
+            raise
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
+    def replay(self, key: str, data: dict) -> Response | None:
+        job = Job.objects.filter(submitted_by=self.request.user, idempotency_key=key).first()
+        if job is None:
+            return None
+        if data.get("command") != job.command or data.get("project") != job.project.slug:
+            raise IdempotencyConflict(
+                f"Idempotency-Key {key!r} was used for job {job.pk} with another project or command; "
+                "use a new key for a different job"
+            )
+        return Response(JobSerializer(job).data, status=status.HTTP_200_OK, headers={"Idempotent-Replayed": "true"})
+
+    @extend_schema(request=REASON, responses=JobSerializer)
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         job = self.get_object()
@@ -39,6 +91,42 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job.refresh_from_db()
         return Response(JobSerializer(job).data)
 
+    @extend_schema(request=None, responses={201: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def resubmit(self, request, pk=None):
+        """Submit the same job again (command, env, secrets, volumes, resources) as a new job."""
+        job = self.get_object()
+        spec = {
+            "name": job.name,
+            "project": job.project.slug,
+            "command": job.command,
+            "env": job.env,
+            "secret_env": job.secret_env,
+            "volumes": [{"name": v["name"], "mode": v["mode"]} for v in job.volumes],
+            "gpus_per_node": job.gpus_per_node,
+            "nodes": job.nodes,
+            "gpu_type": job.gpu_type,
+            "priority": job.priority,
+            "max_runtime_seconds": job.max_runtime_seconds,
+        }
+        submit = JobSubmitSerializer(data=spec, context={"request": request})
+        submit.is_valid(raise_exception=True)
+        return Response(JobSerializer(submit.save()).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=AttemptSerializer(many=True))
+    @action(detail=True, methods=["get"], pagination_class=None)
+    def attempts(self, request, pk=None):
+        job = self.get_object()
+        return Response(AttemptSerializer(job.attempts.select_related("node"), many=True).data)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("after_attempt", int),
+            OpenApiParameter("after_seq", int),
+            OpenApiParameter("limit", int),
+        ],
+        responses=OpenApiTypes.OBJECT,
+    )
     @action(detail=True, methods=["get"])
     def logs(self, request, pk=None):
         """Stored lines after a cursor: ?after_attempt=ID&after_seq=N&limit=M."""
@@ -53,6 +141,35 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             else {"attempt": after_attempt, "seq": after_seq}
         )
         return Response({"lines": wire_lines(lines), "cursor": cursor, "job_state": job.state})
+
+
+def filter_jobs(jobs, params, user):
+    if state := params.get("state"):
+        if state not in JobState.values:
+            raise serializers.ValidationError(
+                {"state": f"{state!r} is not a job state; use one of {', '.join(JobState.values)}"}
+            )
+        jobs = jobs.filter(state=state)
+    if project := params.get("project"):
+        jobs = jobs.filter(project__slug=project)
+    if who := params.get("submitted_by"):
+        jobs = jobs.filter(submitted_by=user) if who == "me" else jobs.filter(submitted_by__username=who)
+    if name := params.get("name"):
+        jobs = jobs.filter(name__icontains=name)
+    return jobs
+
+
+def idempotency_key(request, data: dict) -> str:
+    header = request.headers.get("Idempotency-Key", "").strip()
+    field = str(data.get("idempotency_key") or "").strip()
+    if header and field and header != field:
+        raise serializers.ValidationError(
+            {"idempotency_key": "differs from the Idempotency-Key header; send the key once, in either"}
+        )
+    key = header or field
+    if len(key) > 200:
+        raise serializers.ValidationError({"idempotency_key": f"is {len(key)} characters; use at most 200"})
+    return key
 
 
 def can_cancel(user, job: Job) -> bool:

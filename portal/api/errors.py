@@ -8,7 +8,8 @@ lists every problem with the path of the field it concerns.
 
 from django.core.exceptions import PermissionDenied
 from django.db import InterfaceError, OperationalError
-from django.http import Http404
+from django.http import Http404, JsonResponse
+from django.views.defaults import page_not_found, server_error
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -19,7 +20,12 @@ def flatten(detail, path: str = "") -> list[dict]:
     if isinstance(detail, dict):
         out = []
         for key, value in detail.items():
-            field = path if key == "non_field_errors" else (f"{path}.{key}" if path else str(key))
+            if key == "non_field_errors":
+                field = path
+            elif isinstance(key, int):  # a list's errors by index
+                field = f"{path}[{key}]"
+            else:
+                field = f"{path}.{key}" if path else str(key)
             out.extend(flatten(value, field))
         return out
     if isinstance(detail, list):
@@ -55,6 +61,11 @@ def exception_handler(exc, context):
         exc = exceptions.NotFound("not found, or not in a project you belong to")
     elif isinstance(exc, PermissionDenied):
         exc = exceptions.PermissionDenied()
+    elif isinstance(exc, exceptions.Throttled):
+        wait = max(1, round(exc.wait or 1))
+        exc = exceptions.Throttled(
+            wait, detail=f"rate limit of this API token exceeded; retry after {wait}s (see the Retry-After header)"
+        )
     response = drf_exception_handler(exc, context)
     if response is None:
         return None
@@ -67,3 +78,18 @@ def exception_handler(exc, context):
         errors = flatten(detail)
     response.data = error_body(code, errors)
     return response
+
+
+def not_found(request, exception=None):
+    """Django's 404 for URLs no view matched: JSON under /api/, the page elsewhere."""
+    if request.path.startswith("/api/"):
+        errors = [{"field": "", "message": f"no API endpoint at {request.path}; see /api/docs/ for the endpoints"}]
+        return JsonResponse(error_body("not_found", errors), status=404)
+    return page_not_found(request, exception)
+
+
+def crashed(request):
+    if request.path.startswith("/api/"):
+        errors = [{"field": "", "message": "internal error; the server log has the details, retry or report it"}]
+        return JsonResponse(error_body("server_error", errors), status=500)
+    return server_error(request)

@@ -1,0 +1,92 @@
+from django.contrib.auth import get_user_model
+from rest_framework import serializers
+
+from portal.models import ApiToken, AuditEvent, Membership, Project, Role, Volume
+
+
+class ProjectSerializer(serializers.ModelSerializer):
+    role = serializers.SerializerMethodField(help_text="Your role in the project.")
+
+    class Meta:
+        model = Project
+        fields = ["slug", "name", "created_at", "role"]
+
+    def get_role(self, project: Project) -> str | None:
+        return Project.objects.role_of(self.context["request"].user, project)
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    username = serializers.SlugRelatedField(
+        source="user",
+        slug_field="username",
+        queryset=get_user_model().objects.filter(is_active=True),
+        error_messages={"does_not_exist": "there is no active user {value!r}; check the spelling"},
+    )
+    role = serializers.ChoiceField(
+        choices=Role.choices,
+        error_messages={"invalid_choice": f"{{input}} is not a role; use one of {', '.join(Role.values)}"},
+    )
+
+    class Meta:
+        model = Membership
+        fields = ["username", "role"]
+
+
+class RoleSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(
+        choices=Role.choices,
+        error_messages={"invalid_choice": f"{{input}} is not a role; use one of {', '.join(Role.values)}"},
+    )
+
+
+class VolumeSerializer(serializers.ModelSerializer):
+    env_name = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = Volume
+        fields = ["name", "path", "version", "read_role", "write_role", "env_name"]
+
+    def validate_path(self, path: str) -> str:
+        if not path.startswith("/"):
+            raise serializers.ValidationError(f"{path!r} is relative; give an absolute path such as /data/imagenet")
+        return path
+
+
+class TokenSerializer(serializers.ModelSerializer):
+    project = serializers.SlugRelatedField(
+        slug_field="slug",
+        queryset=Project.objects.all(),
+        required=False,
+        allow_null=True,
+        help_text="Limit the token to this project; omit for all your projects.",
+    )
+
+    class Meta:
+        model = ApiToken
+        fields = ["id", "name", "hint", "project", "read_only", "created_at", "last_used_at", "revoked_at"]
+        read_only_fields = ["id", "hint", "created_at", "last_used_at", "revoked_at"]
+
+    def validate_project(self, project: Project | None) -> Project | None:
+        request = self.context["request"]
+        if project is not None and not Project.objects.visible_to(request.user).filter(pk=project.pk).exists():
+            raise serializers.ValidationError(f"no project {project.slug!r} among yours")
+        limit = getattr(request.user, "token_project_id", None)
+        if limit and (project is None or project.pk != limit):
+            # A token limited to one project must not mint a wider one.
+            raise serializers.ValidationError("this request's token is limited to one project; limit the new one to it")
+        return project
+
+
+class NewTokenSerializer(TokenSerializer):
+    token = serializers.CharField(read_only=True, help_text="The secret: shown this once, only its hash is kept.")
+
+    class Meta(TokenSerializer.Meta):
+        fields = [*TokenSerializer.Meta.fields, "token"]
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    actor = serializers.CharField(source="actor.username", default=None)
+
+    class Meta:
+        model = AuditEvent
+        fields = ["at", "actor", "action", "target_type", "target_id", "reason", "detail"]
