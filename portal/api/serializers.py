@@ -70,11 +70,17 @@ class TokenSerializer(serializers.ModelSerializer):
         request = self.context["request"]
         if project is not None and not Project.objects.visible_to(request.user).filter(pk=project.pk).exists():
             raise serializers.ValidationError(f"no project {project.slug!r} among yours")
-        limit = getattr(request.user, "token_project_id", None)
+        return project
+
+    def validate(self, attrs):
+        limit = getattr(self.context["request"].user, "token_project_id", None)
+        project = attrs.get("project")
         if limit and (project is None or project.pk != limit):
             # A token limited to one project must not mint a wider one.
-            raise serializers.ValidationError("this request's token is limited to one project; limit the new one to it")
-        return project
+            raise serializers.ValidationError(
+                {"project": "this request's token is limited to one project; limit the new token to it"}
+            )
+        return attrs
 
 
 class NewTokenSerializer(TokenSerializer):
