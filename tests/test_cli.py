@@ -1,0 +1,162 @@
+"""The `hangar` CLI against a live Hangar (web, scheduler, node agent): it speaks
+only HTTP and websockets, as an agent on another machine would."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from portal import cli
+from portal.livestack import BASE_DIR, LiveStack
+
+pytestmark = pytest.mark.e2e
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with LiveStack(data_dir=str(tmp_path_factory.mktemp("cli-stack"))) as live:
+        yield live
+
+
+@pytest.fixture
+def hangar(stack, tmp_path, monkeypatch, capsys):
+    """Run the CLI in-process as `hangar ARGS...`; returns (exit code, stdout, stderr)."""
+    monkeypatch.setenv("HANGAR_CONFIG", str(tmp_path / "config.json"))
+    monkeypatch.delenv("HANGAR_TOKEN", raising=False)
+    monkeypatch.delenv("HANGAR_URL", raising=False)
+    assert cli.main(["login", "--url", stack.url, "--token", stack.token, "--project", "default"]) == 0
+    capsys.readouterr()
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def script(body: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(body)]
+
+
+def test_submit_follow_streams_every_line_and_exits_with_the_outcome(hangar):
+    code, out, err = hangar(
+        "submit",
+        "--name",
+        "counter",
+        "--",
+        *script(
+            """
+            import sys
+            for i in range(20):
+                print(f"count {i}", flush=True)
+            print("bad thing", file=sys.stderr, flush=True)
+            sys.exit(3)
+            """
+        ),
+    )
+    assert code == 0, err
+    job_id = int(out.split()[1])
+
+    code, out, err = hangar("logs", str(job_id), "--follow")
+
+    texts = [line.split(None, 4)[-1] for line in out.splitlines()]
+    assert [t for t in texts if t.startswith("count")] == [f"count {i}" for i in range(20)]
+    assert "bad thing" in texts
+    assert code == cli.EXIT_JOB_FAILED and f"job {job_id} failed, exit 3" in err
+
+    code, out, _ = hangar("wait", str(job_id))
+    assert code == cli.EXIT_JOB_FAILED and "failed, exit 3" in out
+
+
+def test_json_output_parses_and_wait_exits_zero_on_success(hangar):
+    code, out, _ = hangar(
+        "--json", "submit", "--idempotency-key", "cli-1", "-e", "GREETING=hi", "--", PY, "-c", "print(1)"
+    )
+    job = json.loads(out)
+    assert code == 0 and job["env"] == {"GREETING": "hi"}
+    again = json.loads(
+        hangar("--json", "submit", "--idempotency-key", "cli-1", "-e", "GREETING=hi", "--", PY, "-c", "print(1)")[1]
+    )
+    assert again["id"] == job["id"]
+
+    code, out, _ = hangar("wait", str(job["id"]), "--json")
+    assert code == 0 and json.loads(out)["state"] == "succeeded"
+
+    status = json.loads(hangar("status", str(job["id"]), "--json")[1])
+    assert status["attempts"][0]["exit_code"] == 0
+    listed = json.loads(hangar("list", "--json", "--mine")[1])
+    assert job["id"] in [j["id"] for j in listed]
+    nodes = json.loads(hangar("nodes", "--json")[1])
+    assert [n["name"] for n in nodes] == ["node-a"]
+    lines = [json.loads(line) for line in hangar("logs", str(job["id"]), "--json")[1].splitlines()]
+    assert [line["text"] for line in lines if line["stream"] == "stdout"] == ["1"]
+
+
+def test_logs_filters_and_human_tables(hangar):
+    code, out, err = hangar(
+        "submit",
+        "--wait",
+        "--",
+        *script("import sys\nprint('alpha 1')\nprint('beta 2')\nprint('oops', file=sys.stderr)"),
+    )
+    assert code == 0, err
+    job_id = out.split()[1]
+    assert "STATE" in out and "node-a" in out  # the attempts table
+
+    grep = hangar("logs", job_id, "--grep", "^beta")[1].splitlines()
+    warnings = hangar("logs", job_id, "--severity", "warning")[1].splitlines()
+    assert len(grep) == 1 and grep[0].endswith("beta 2")
+    assert [line.split(None, 4)[-1] for line in warnings] == ["oops"]
+    assert "NAME" in hangar("nodes")[1] and "node-a" in hangar("nodes")[1]
+
+
+def test_job_file_and_cancel(hangar, tmp_path):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(f"name: sleeper\ncommand: [{PY}, -c, 'import time; time.sleep(60)']\nenv:\n  A: '1'\n")
+    code, out, _ = hangar("--json", "submit", "-f", str(job_file))
+    job = json.loads(out)
+    assert code == 0 and job["name"] == "sleeper" and job["env"] == {"A": "1"}
+
+    code, out, _ = hangar("cancel", str(job["id"]), "--reason", "enough")
+    assert code == 0
+    code, _, _ = hangar("wait", str(job["id"]), "--timeout", "30")
+    assert code == cli.EXIT_CANCELLED
+
+
+def test_errors_are_clear_and_exit_codes_mean_something(hangar):
+    code, out, err = hangar("--json", "submit", "--gpus", "64", "--", "true")
+    assert code == cli.EXIT_API
+    assert json.loads(out)["errors"][0]["field"] == "gpus_per_node" and "ask for at most 4" in err
+
+    code, _, err = hangar("status", "999999")
+    assert code == cli.EXIT_API and "not found" in err
+
+    code, _, err = hangar("submit")
+    assert code == cli.EXIT_USAGE and "no command" in err
+
+    code, _, err = hangar("status", "1", "--url", "http://127.0.0.1:9")
+    assert code == cli.EXIT_UNREACHABLE and "cannot reach" in err
+
+    code, _, err = hangar("status", "1", "--token", "hgr_wrong")
+    assert code == cli.EXIT_API and "hangar login" in err
+
+
+def test_the_console_script_entry_point_runs(stack, tmp_path):
+    env = {"HANGAR_URL": stack.url, "HANGAR_TOKEN": stack.token, "HANGAR_CONFIG": str(tmp_path / "c.json"), "PATH": ""}
+    done = subprocess.run(
+        [PY, "-m", "portal.cli", "--json", "nodes"], capture_output=True, text=True, env=env, timeout=60, cwd=BASE_DIR
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["name"] == "node-a"
+
+
+def test_the_cli_never_loads_the_database_layer():
+    probe = (
+        "import sys, portal.cli; print(sorted(m for m in sys.modules if m.startswith(('django.db', 'jobs', 'fleet'))))"
+    )
+    done = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=BASE_DIR, timeout=60)
+    assert done.stdout.strip() == "[]", done.stderr
