@@ -13,3 +13,4 @@ class JobAdmin(admin.ModelAdmin):
     list_display = ["id", "name", "project", "submitted_by", "state", "gpus_per_node", "created_at"]
     list_filter = ["state", "project"]
     inlines = [AttemptInline]
+    exclude = ["secret_env"]  # never shown back, not even to site admins

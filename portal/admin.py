@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from portal.models import ApiToken, AuditEvent, Membership, Project
+from portal.models import ApiToken, AuditEvent, Membership, Project, Volume
 
 
 class MembershipInline(admin.TabularInline):
@@ -17,8 +17,14 @@ class ProjectAdmin(admin.ModelAdmin):
 
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ["name", "user", "hint", "created_at", "last_used_at", "revoked_at"]
+    list_display = ["name", "user", "hint", "project", "read_only", "created_at", "last_used_at", "revoked_at"]
     readonly_fields = ["digest", "hint", "created_at", "last_used_at"]
+
+
+@admin.register(Volume)
+class VolumeAdmin(admin.ModelAdmin):
+    list_display = ["project", "name", "path", "version", "read_role", "write_role"]
+    list_filter = ["project"]
 
 
 @admin.register(AuditEvent)

@@ -231,3 +231,14 @@ def test_other_node_types_do_not_matter_for_the_largest_node_message(roles):
         response.json()["message"]
         == "gpus_per_node: gpus_per_node=16 but the largest B300 node has 8; ask for at most 8"
     )
+
+
+def test_the_job_page_masks_secrets_and_records_volumes(client, roles, gpus, volume):
+    api = api_client(roles["member"])
+    job = submit(api, secret_env={"KEY": "s3cret-value"}, volumes=[{"name": "imagenet"}]).json()
+    client.force_login(roles["viewer"])
+
+    page = client.get(f"/jobs/{job['id']}/").content.decode()
+
+    assert "s3cret-value" not in page and "KEY=********" in page
+    assert "/data/imagenet" in page and "version v3" in page
