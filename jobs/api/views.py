@@ -30,6 +30,7 @@ class IdempotencyConflict(APIException):
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
     queryset = Job.objects.none()  # for the schema; requests use get_queryset
+    lookup_value_regex = r"\d+"
 
     def get_queryset(self):
         jobs = Job.objects.visible_to(self.request.user).select_related("project", "submitted_by")

@@ -116,6 +116,7 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
 
     serializer_class = TokenSerializer
     queryset = ApiToken.objects.none()
+    lookup_value_regex = r"\d+"
 
     def get_queryset(self):
         return ApiToken.objects.filter(user=self.request.user).select_related("project").order_by("-created_at")
