@@ -1,0 +1,102 @@
+"""How many job submissions per second does the API sustain, and at what latency?
+
+Starts a whole Hangar (`manage.py up`) in a temporary data directory, cordons its
+node (jobs stay queued: this measures the API, not the GPUs), then 50 concurrent
+clients — each with its own API token, keep-alive connections — submit jobs
+through `POST /api/v1/jobs/` for a fixed time. Every request is a full submit:
+token check, validation, capacity check, insert, history row, scheduler wake-up.
+
+    python bench/api.py [--quick] [--clients N] [--seconds S]
+
+Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
+Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=...
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+async def client(url: str, token: str, until: float, latencies: list[float], errors: list[int], index: int) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+        n = 0
+        while time.monotonic() < until:
+            n += 1
+            body = {"project": "default", "command": ["true"], "name": f"bench-{index}-{n}"}
+            started = time.perf_counter()
+            try:
+                response = await http.post("/api/v1/jobs/", json=body)
+                ok = response.status_code == 201
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                latencies.append((time.perf_counter() - started) * 1000)
+            else:
+                errors.append(1)
+
+
+async def load(url: str, tokens: list[str], seconds: float) -> tuple[list[float], int, float]:
+    latencies: list[float] = []
+    errors: list[int] = []
+    started = time.monotonic()
+    until = started + seconds
+    await asyncio.gather(*(client(url, t, until, latencies, errors, i) for i, t in enumerate(tokens)))
+    return latencies, len(errors), time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="5 s of load instead of 30")
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=None)
+    args = parser.parse_args()
+    seconds = args.seconds or (5 if args.quick else 30)
+
+    data_dir = tempfile.mkdtemp(prefix="hangar-bench-api-")
+    os.environ["HANGAR_DATA_DIR"] = data_dir
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.contrib.auth import get_user_model
+
+    from fleet.models import Node
+    from portal.livestack import LiveStack
+    from portal.models import ApiToken
+
+    mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
+    # The bench measures throughput, so the rate limit must not be what it measures.
+    with LiveStack(data_dir=data_dir, env={"HANGAR_API_RATE_LIMIT": "1000000/min"}) as stack:
+        for node in Node.objects.all():
+            node.cordon(None, "bench/api.py: keep submitted jobs queued")
+        admin = get_user_model().objects.get(username="admin")
+        tokens = [ApiToken.issue(admin, f"bench-{i}")[1] for i in range(args.clients)]
+        asyncio.run(load(stack.url, tokens[:5], 1.0))  # warm up: imports, connections
+        latencies, errors, elapsed = asyncio.run(load(stack.url, tokens, seconds))
+
+    rate = len(latencies) / elapsed
+    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    print(f"{len(latencies)} jobs submitted in {elapsed:.1f} s by {args.clients} clients, {errors} errors")
+    print(
+        f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
+        f"errors={errors} clients={args.clients} seconds={seconds:g}"
+    )
+
+
+if __name__ == "__main__":
+    main()
