@@ -209,6 +209,9 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {"RoleEnum": "portal.models.Role.choices"},
 }
 
+# Web server processes `manage.py up` starts (uvicorn --workers).
+HANGAR_WEB_WORKERS = env_int("HANGAR_WEB_WORKERS", 1, minimum=1)
+
 # --- Production (HTTPS) ------------------------------------------------------
 # Behind HTTPS set HANGAR_HTTPS=1: secure cookies, HSTS and a redirect to https,
 # which is what `manage.py check --deploy` asks for.

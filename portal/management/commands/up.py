@@ -109,6 +109,9 @@ def start_children(host: str, port: int, no_agent: bool) -> dict[str, subprocess
             "--no-access-log",
             "--log-level",
             "warning",
+            # More web processes use more cores: the API's throughput scales with them.
+            "--workers",
+            str(settings.HANGAR_WEB_WORKERS),
         ],
         "scheduler": [python, manage, "scheduler"],
     }
