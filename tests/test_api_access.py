@@ -159,3 +159,17 @@ def test_the_audit_trail_shows_your_own_actions_and_all_to_site_admins(roles):
 
     assert {e["actor"] for e in mine} == {"lab-member"}
     assert {"lab-member", "lab-admin", "root"} <= {e["actor"] for e in everything}
+
+
+def test_the_last_admin_stays(roles):
+    client = api_client(roles["admin"])
+    demoted = client.patch("/api/v1/projects/lab/members/lab-admin/", {"role": "member"}, format="json")
+    removed = client.delete("/api/v1/projects/lab/members/lab-admin/")
+    assert demoted.status_code == removed.status_code == 400
+    assert "last admin" in demoted.json()["message"]
+    assert Membership.objects.get(user=roles["admin"]).role == Role.ADMIN
+
+
+def test_a_viewer_gets_403_before_any_validation(roles):
+    response = api_client(roles["viewer"]).post("/api/v1/projects/lab/members/", {"bogus": 1}, format="json")
+    assert response.status_code == 403

@@ -5,6 +5,7 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.permissions import SAFE_METHODS
 from rest_framework.response import Response
 
 from portal.api.serializers import (
@@ -40,6 +41,11 @@ class ProjectChildMixin:
             raise PermissionDenied(f"only an admin of project {project.slug} can change its members and volumes")
         return project
 
+    def check_permissions(self, request) -> None:
+        super().check_permissions(request)
+        if request.method not in SAFE_METHODS:
+            self.admin_project()  # before the body is validated: a viewer learns nothing from a 400
+
 
 class MemberViewSet(ProjectChildMixin, viewsets.ModelViewSet):
     serializer_class = MembershipSerializer
@@ -71,6 +77,8 @@ class MemberViewSet(ProjectChildMixin, viewsets.ModelViewSet):
         change = RoleSerializer(data=request.data)
         change.is_valid(raise_exception=True)
         old, new = membership.role, change.validated_data["role"]
+        if new != Role.ADMIN:
+            keep_an_admin(membership)
         with transaction.atomic():
             Membership.objects.filter(pk=membership.pk).update(role=new)
             detail = {"user": membership.user.username, "from": old, "to": new}
@@ -80,8 +88,17 @@ class MemberViewSet(ProjectChildMixin, viewsets.ModelViewSet):
 
     def perform_destroy(self, membership):
         project = self.admin_project()
+        keep_an_admin(membership)
         membership.delete()
         AuditEvent.record(self.request.user, "member.remove", project, detail={"user": membership.user.username})
+
+
+def keep_an_admin(membership: Membership) -> None:
+    others = Membership.objects.filter(project_id=membership.project_id, role=Role.ADMIN).exclude(pk=membership.pk)
+    if membership.role == Role.ADMIN and not others.exists():
+        raise ValidationError(
+            {"role": f"{membership.user} is the last admin of {membership.project}; make another member admin first"}
+        )
 
 
 class VolumeViewSet(ProjectChildMixin, viewsets.ModelViewSet):
