@@ -558,7 +558,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or bad usage (argparse printed why)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     for name, default in (("url", None), ("token", None), ("json", False)):
         if not hasattr(args, name):
             setattr(args, name, default)

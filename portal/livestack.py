@@ -64,6 +64,24 @@ class LiveStack:
 
     def start(self, timeout: float = 90) -> "LiveStack":
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        for _ in range(3):
+            self._launch()
+            try:
+                # The banner, not an open port: on a shared machine another
+                # process may hold the port this stack was given.
+                self._wait(self._banner_shown, deadline, "the web server to listen")
+                break
+            except RuntimeError:
+                if self.proc.poll() is None or "cannot listen on" not in self.output():
+                    raise
+                self._use_port(free_port())  # taken between free_port() and bind: try another
+        self.token = self.manage("create_token", "admin", "--name", "livestack")
+        if self.local_agent:
+            self._wait(self._node_ready, deadline, "a node agent to register")
+        return self
+
+    def _launch(self) -> None:
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "manage.py", "up", *([] if self.local_agent else ["--no-agent"])],
@@ -73,12 +91,15 @@ class LiveStack:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
-        self._wait(lambda: self._port_open(), deadline, "the web server to listen")
-        self.token = self.manage("create_token", "admin", "--name", "livestack")
-        if self.local_agent:
-            self._wait(self._node_ready, deadline, "a node agent to register")
-        return self
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.env["HANGAR_PORT"] = str(port)
+        self.url = f"http://127.0.0.1:{port}"
+        self.ws_url = f"ws://127.0.0.1:{port}"
+
+    def _banner_shown(self) -> bool:
+        return f"running at http://127.0.0.1:{self.port}/" in self.output() and self._port_open()
 
     def _wait(self, ready, deadline: float, what: str) -> None:
         while time.monotonic() < deadline:

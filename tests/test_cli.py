@@ -144,6 +144,11 @@ def test_errors_are_clear_and_exit_codes_mean_something(hangar):
     code, _, err = hangar("status", "1", "--token", "hgr_wrong")
     assert code == cli.EXIT_API and "hangar login" in err
 
+    code, _, err = hangar("cordon", "no-such-node", "--reason", "test")
+    assert code == cli.EXIT_API and err.startswith("hangar: ")
+    code, _, err = hangar("cordon", "node-a")
+    assert code == cli.EXIT_USAGE and "--reason" in err
+
 
 def test_the_console_script_entry_point_runs(stack, tmp_path):
     env = {"HANGAR_URL": stack.url, "HANGAR_TOKEN": stack.token, "HANGAR_CONFIG": str(tmp_path / "c.json"), "PATH": ""}
