@@ -11,6 +11,7 @@ from portal.models import Project, Role
 API_TO_FORM = {
     "command": "command",
     "env": "env",
+    "secret_env": "secret_env",
     "project": "project",
     "name": "name",
     "gpus_per_node": "gpus_per_node",
@@ -18,6 +19,11 @@ API_TO_FORM = {
     "priority": "priority",
     "max_runtime_seconds": "max_runtime_seconds",
 }
+
+
+class SecretTextarea(forms.Textarea):
+    def format_value(self, value) -> str:
+        return ""  # secrets are never shown back, not even when the form comes back with an error
 
 
 class JobForm(forms.Form):
@@ -43,6 +49,12 @@ class JobForm(forms.Form):
         required=False,
         widget=forms.Textarea(attrs={"rows": 3, "placeholder": "KEY=value, one per line", "class": "mono"}),
     )
+    secret_env = forms.CharField(
+        label="Secret variables",
+        required=False,
+        widget=SecretTextarea(attrs={"rows": 2, "placeholder": "KEY=value, one per line", "class": "mono"}),
+        help_text="Given to the job, never shown again (masked on the job page and in the API).",
+    )
 
     def __init__(self, user, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,15 +69,10 @@ class JobForm(forms.Form):
             raise forms.ValidationError(f"cannot split this line ({exc}); check the quotes")
 
     def clean_env(self) -> dict[str, str]:
-        env = {}
-        for number, line in enumerate(self.cleaned_data["env"].splitlines(), start=1):
-            if not line.strip():
-                continue
-            key, sep, value = line.partition("=")
-            if not sep:
-                raise forms.ValidationError(f"line {number} ({line.strip()!r}) is not KEY=value")
-            env[key.strip()] = value
-        return env
+        return parse_env(self.cleaned_data["env"])
+
+    def clean_secret_env(self) -> dict[str, str]:
+        return parse_env(self.cleaned_data["secret_env"])
 
     def api_data(self) -> dict:
         data = dict(self.cleaned_data)
@@ -77,3 +84,15 @@ class JobForm(forms.Form):
             for message in messages if isinstance(messages, list) else [messages]:
                 text = str(message) if not isinstance(message, dict) else "; ".join(map(str, message.values()))
                 self.add_error(target, text)
+
+
+def parse_env(text: str) -> dict[str, str]:
+    env = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise forms.ValidationError(f"line {number} is not KEY=value")
+        env[key.strip()] = value
+    return env

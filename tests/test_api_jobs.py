@@ -242,3 +242,16 @@ def test_the_job_page_masks_secrets_and_records_volumes(client, roles, gpus, vol
 
     assert "s3cret-value" not in page and "KEY=********" in page
     assert "/data/imagenet" in page and "version v3" in page
+
+
+def test_the_submit_page_takes_secrets_and_never_shows_them_back(client, roles, gpus):
+    client.force_login(roles["member"])
+    form = {"project": "lab", "command": "python train.py", "gpus_per_node": 1, "priority": "normal"}
+    form.update(max_runtime_seconds=60, secret_env="API_KEY=s3cret-value")
+
+    refused = client.post("/jobs/new/", {**form, "gpus_per_node": 64})
+    created = client.post("/jobs/new/", form, follow=True)
+
+    assert "s3cret-value" not in refused.content.decode()
+    assert Job.objects.get().secret_env == {"API_KEY": "s3cret-value"}
+    assert "s3cret-value" not in created.content.decode() and "API_KEY=********" in created.content.decode()
