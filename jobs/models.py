@@ -362,6 +362,12 @@ class LogLine(models.Model):
             # Cursor paging of a job's lines; the other filters narrow within a job.
             models.Index(fields=["job", "attempt", "seq"], name="log_job_cursor"),
             models.Index(fields=["job", "severity"], name="log_job_severity"),
+            # Finding an attempt's first error: only errors and faults are in it.
+            models.Index(
+                fields=["job", "attempt", "seq"],
+                condition=Q(severity__gte=40) | Q(fault=True),
+                name="log_job_errors",
+            ),
             models.Index(fields=["job", "node", "rank"], name="log_job_node"),
             models.Index(fields=["job", "ts"], name="log_job_ts"),
             # Retention deletes by age across all jobs.

@@ -1,15 +1,11 @@
-from django.shortcuts import get_object_or_404
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
 from jobs.api.serializers import JobSerializer, JobSubmitSerializer
-from jobs.messages import wire_lines
-from jobs.models import Job, LogLine
+from jobs.models import Job
 from portal.models import Project, Role
-
-LOG_PAGE_MAX = 5000
 
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -38,21 +34,6 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job.cancel(request.user, reason or f"cancelled by {request.user}")
         job.refresh_from_db()
         return Response(JobSerializer(job).data)
-
-    @action(detail=True, methods=["get"])
-    def logs(self, request, pk=None):
-        """Stored lines after a cursor: ?after_attempt=ID&after_seq=N&limit=M."""
-        job = get_object_or_404(self.get_queryset(), pk=pk)
-        after_attempt = int_param(request, "after_attempt", 0)
-        after_seq = int_param(request, "after_seq", 0)
-        limit = min(int_param(request, "limit", 1000), LOG_PAGE_MAX)
-        lines = list(LogLine.after(job.pk, after_attempt, after_seq)[:limit])
-        cursor = (
-            {"attempt": lines[-1].attempt_id, "seq": lines[-1].seq}
-            if lines
-            else {"attempt": after_attempt, "seq": after_seq}
-        )
-        return Response({"lines": wire_lines(lines), "cursor": cursor, "job_state": job.state})
 
 
 def can_cancel(user, job: Job) -> bool:
