@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -57,11 +58,27 @@ def read_lines(pipe, stream: int, out: queue.Queue) -> None:
     out.put((stream, None, None, False))
 
 
+@dataclass(slots=True)
+class NewLine:
+    """A parsed line on its way to the database: a LogLine's fields, without the cost of a model instance."""
+
+    job_id: int
+    attempt_id: int
+    node_id: int | None
+    rank: int
+    stream: int
+    severity: int
+    fault: bool
+    ts: datetime
+    text: str
+    seq: int = 0
+
+
 class AttemptNotCurrent(Exception):
     """The attempt ended (or was never started): its lines are refused."""
 
 
-def store_lines(attempt_id: int, rows: list[LogLine]) -> int:
+def store_lines(attempt_id: int, rows: list[NewLine]) -> int:
     """Number and insert one batch of an attempt's lines; returns the last seq.
 
     Raises AttemptNotCurrent when the attempt no longer takes lines.
@@ -79,18 +96,29 @@ def store_lines(attempt_id: int, rows: list[LogLine]) -> int:
     return last + len(rows)
 
 
-def insert_rows(rows: list[LogLine]) -> None:
-    """Bulk insert: COPY on PostgreSQL for large batches, a multi-row INSERT elsewhere."""
-    if connection.vendor != "postgresql" or len(rows) < COPY_MIN_ROWS:
-        LogLine.objects.bulk_create(rows, batch_size=500)
-        return
+def insert_rows(rows: list) -> None:
+    """Bulk insert: COPY on PostgreSQL for large batches, one prepared multi-row INSERT elsewhere.
+
+    Rows go in as plain tuples: building model instances' SQL per row costs
+    more than the insert itself.
+    """
     table = LogLine._meta.db_table
+    if connection.vendor == "postgresql" and len(rows) >= COPY_MIN_ROWS:
+        with connection.cursor() as cursor:
+            with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+                for r in rows:
+                    copy.write_row(
+                        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, r.ts, r.text)
+                    )
+        return
+    adapt = connection.ops.adapt_datetimefield_value
+    values = [
+        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, adapt(r.ts), r.text)
+        for r in rows
+    ]
+    placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
     with connection.cursor() as cursor:
-        with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
-            for r in rows:
-                copy.write_row(
-                    (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, r.ts, r.text)
-                )
+        cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)
 
 
 class Spool:
@@ -103,12 +131,12 @@ class Spool:
     def __bool__(self) -> bool:
         return self.path.exists()
 
-    def append(self, rows: list[LogLine]) -> None:
+    def append(self, rows: list[NewLine]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as out:
             for r in rows:
-                fields = [r.job_id, r.attempt_id, r.node_id, r.rank, r.stream, r.severity, r.fault, r.ts.isoformat()]
-                out.write(json.dumps([*fields, r.text]) + "\n")
+                fields = [r.job_id, r.attempt_id, r.node_id, r.rank, r.stream, r.severity, r.fault]
+                out.write(json.dumps([*fields, r.ts.isoformat(), r.text]) + "\n")
 
     def chunks(self, size: int = MAX_BATCH):
         """(rows, end offset) from the first unstored line on; call done(end) once a chunk is stored."""
@@ -117,20 +145,8 @@ class Spool:
             while True:
                 rows = []
                 while len(rows) < size and (text := spool.readline()):
-                    job, attempt, node, rank, stream, severity, fault, ts, line = json.loads(text)
-                    rows.append(
-                        LogLine(
-                            job_id=job,
-                            attempt_id=attempt,
-                            node_id=node,
-                            rank=rank,
-                            stream=stream,
-                            severity=severity,
-                            fault=fault,
-                            ts=datetime.fromisoformat(ts),
-                            text=line,
-                        )
-                    )
+                    *fields, ts, line = json.loads(text)
+                    rows.append(NewLine(*fields, datetime.fromisoformat(ts), line))
                 if not rows:
                     return
                 yield rows, spool.tell()
@@ -227,7 +243,7 @@ class LogWriter(threading.Thread):
         if rows:
             self.deliver(rows)
 
-    def line(self, stream: int, ts, raw: bytes, flag: bool) -> LogLine:
+    def line(self, stream: int, ts, raw: bytes, flag: bool) -> NewLine:
         """One line, parsed. Per-line checks of the job's output (fault scans) belong here."""
         if stream == Stream.SYSTEM:
             text = raw.decode()
@@ -236,7 +252,7 @@ class LogWriter(threading.Thread):
             text = decode_line(raw, truncated=flag)
             severity = self.severity[stream](text)
         attempt = self.attempt
-        return LogLine(
+        return NewLine(
             job_id=attempt.job_id,
             attempt_id=attempt.pk,
             node_id=self.node_id,
@@ -248,7 +264,7 @@ class LogWriter(threading.Thread):
             text=text,
         )
 
-    def deliver(self, rows: list[LogLine]) -> None:
+    def deliver(self, rows: list[NewLine]) -> None:
         """Store the rows, or spool them behind older spooled lines until the database answers."""
         if self.refused:
             return
@@ -292,7 +308,7 @@ class LogWriter(threading.Thread):
         self.retry_delay = min(max(self.retry_delay * 2, 0.2), 5.0)
         self.retry_at = time.monotonic() + self.retry_delay
 
-    def write(self, rows: list[LogLine]) -> None:
+    def write(self, rows: list[NewLine]) -> None:
         try:
             self.seq = store_lines(self.attempt.pk, rows)
         except AttemptNotCurrent:
