@@ -177,3 +177,50 @@ def test_an_outsider_cannot_subscribe_even_with_filters(job, outsider, other_pro
         return await LogSocket(f"/ws/jobs/{job.pk}/logs/?node=node-a", headers).connect()
 
     assert async_to_sync(scenario)() == (False, 4404)
+
+
+LIVE = [
+    ("live a: step 3", "node-a", Severity.INFO),
+    ("live b: step 3", "node-b", Severity.INFO),
+    ("live b: link DOWN", "node-b", Severity.ERROR),
+    ("live a: disk slow", "node-a", Severity.WARNING),
+]
+
+
+@pytest.mark.parametrize(
+    ("query", "history", "live"),
+    [
+        ("node=node-a", ["a: step 1", "a: step 2"], ["live a: step 3", "live a: disk slow"]),
+        ("rank=1", ["b: step 1", "b: slow link"], ["live b: step 3", "live b: link DOWN"]),
+        ("severity=WARNING", ["b: slow link"], ["live b: link DOWN", "live a: disk slow"]),
+        ("q=STEP", ["a: step 1", "b: step 1", "a: step 2"], ["live a: step 3", "live b: step 3"]),
+        ("q=%5Elive+.%3A+(disk%7Clink)&regex=1", [], ["live b: link DOWN", "live a: disk slow"]),
+        ("attempt=1&last_minutes=60", ["a: step 1", "b: step 1", "b: slow link", "a: step 2"], [t for t, _, _ in LIVE]),
+        ("attempt=2", [], []),
+        ("node=node-b&severity=ERROR&q=down", [], ["live b: link DOWN"]),
+    ],
+)
+def test_each_filter_applies_to_history_and_to_live_lines(job, owner, query, history, live):
+    from django.utils import timezone
+
+    from jobs.models import LogLine
+
+    headers = bearer(owner)
+    LogLine.objects.update(ts=timezone.now())  # within "last N minutes"
+
+    async def scenario():
+        socket = LogSocket(f"/ws/jobs/{job.pk}/logs/?{query}", headers)
+        await socket.connect()
+        before = await read_until(socket, "state")
+        await database_sync_to_async(add_lines)(job, 4, LIVE)
+        await database_sync_to_async(add_lines)(job, 8, [("live end", "node-a", Severity.CRITICAL)])
+        after = []
+        while not any(m["type"] == "lines" and m["cursor"]["seq"] == 9 for m in after):
+            after.append(await socket.receive_json())
+        await socket.disconnect()
+        return before, after
+
+    before, after = async_to_sync(scenario)()
+
+    assert texts_of(before) == history
+    assert [t for t in texts_of(after) if t != "live end"] == live
