@@ -233,9 +233,10 @@
     if (socket && socket.readyState === WebSocket.OPEN) {
       sub = null;  // until the server says which subscription is ours
       socket.send(JSON.stringify({ type: "subscribe", filters: filters, cursor: cursor }));
-    } else if (!socket) {
+    } else {
+      // Not connected (yet): (re)connect with the new filters in the URL.
       finished = false;
-      connect();
+      if (socket) socket.close(); else connect();
     }
   }
 
