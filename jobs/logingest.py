@@ -17,6 +17,7 @@ whatever arrives to a spool file on local disk and sends it, in order, once
 the database answers again.
 """
 
+import asyncio
 import json
 import logging
 import queue
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
@@ -182,7 +182,12 @@ class LogWriter(threading.Thread):
         self.retry_at = 0.0
         self.retry_delay = 0.0
         self.refused = False
+        self.batches = 0
+        self.stored = 0
         self.layer = get_channel_layer()
+        # One event loop for all of this writer's hints, so the channel layer keeps
+        # its Redis connection instead of opening one per batch.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def expect_streams(self, count: int) -> None:
         self.open_streams = count
@@ -209,8 +214,11 @@ class LogWriter(threading.Thread):
                 done = batch[-1] is None
                 self.store([item for item in batch if item is not None])
             self.flush_spool(settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS)
+            log.info("attempt %s rank %s: %d lines, %d batches", self.attempt.pk, self.rank, self.stored, self.batches)
         finally:
             connection.close()
+            if self.loop is not None:
+                self.loop.close()  # channels_redis closes this loop's connections
 
     def collect(self) -> list:
         """Block for one line (or until a spool retry is due), then take what else is waiting."""
@@ -311,6 +319,8 @@ class LogWriter(threading.Thread):
     def write(self, rows: list[NewLine]) -> None:
         try:
             self.seq = store_lines(self.attempt.pk, rows)
+            self.batches += 1
+            self.stored += len(rows)
         except AttemptNotCurrent:
             log.warning("attempt %s is no longer current: its log lines are refused", self.attempt.pk)
             self.refused = True
@@ -323,6 +333,7 @@ class LogWriter(threading.Thread):
             return
         message: LogAppendedHint = {"type": "log.appended", "attempt": self.attempt.pk, "seq": seq}
         try:
-            async_to_sync(self.layer.group_send)(job_group(self.attempt.job_id), message)
+            self.loop = self.loop or asyncio.new_event_loop()
+            self.loop.run_until_complete(self.layer.group_send(job_group(self.attempt.job_id), message))
         except Exception as exc:  # a lost hint only delays delivery until the next poll
             log.debug("log hint not sent: %s", exc)
