@@ -1,21 +1,40 @@
-"""The job log websocket: /ws/jobs/<id>/logs/?after_attempt=A&after_seq=S
+"""The job log websocket: /ws/jobs/<id>/logs/?after_attempt=A&after_seq=S&<filters>
 
-Lines are always read from the database after the client's cursor; a hint
-from the channel layer (services mode) or a short poll (embedded mode) says
-when to read again. A reconnecting client passes its last cursor and gets
-exactly the lines after it.
+A client subscribes with filters and a resume cursor: in the query string at
+connect, and at any time after with a message
+`{"type": "subscribe", "filters": {...}, "cursor": {"attempt": A, "seq": S}}`
+that replaces the running subscription. Every message of a subscription
+carries its number `sub`, so a client can drop batches of one it replaced.
+
+Lines are always read from the database after the subscription's cursor, with
+its filters applied there; a hint from the channel layer (services mode) or a
+short poll (embedded mode) says when to read again. A reconnecting client
+passes its last cursor and gets exactly the matching lines after it.
 """
 
 import asyncio
 import json
 import logging
+from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from jobs.messages import Cursor, LinesMessage, LogAppendedHint, StateMessage, job_group, wire_lines
-from jobs.models import FINAL_JOB_STATES, Job, LogLine
+from jobs.logquery import LogFilter, LogFilterError, first_error, read_page
+from jobs.messages import (
+    Cursor,
+    ErrorMessage,
+    FirstErrorMessage,
+    LinesMessage,
+    LogAppendedHint,
+    StateMessage,
+    SubscribedMessage,
+    job_group,
+    telemetry_url,
+    wire_lines,
+)
+from jobs.models import FINAL_JOB_STATES, Job
 
 log = logging.getLogger("hangar.web")
 BATCH = 1000
@@ -33,43 +52,94 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         if not await database_sync_to_async(Job.objects.visible_to(user).filter(pk=self.job_id).exists)():
             await self.close(code=CLOSE_NOT_FOUND)
             return
-        self.cursor: Cursor = cursor_from_query(self.scope.get("query_string", b""))
         self.wake = asyncio.Event()
-        self.last_state: tuple | None = None
+        self.sub = 0
+        self.pump: asyncio.Task | None = None
         if self.channel_layer is not None:
             await self.channel_layer.group_add(job_group(self.job_id), self.channel_name)
         await self.accept()
-        self.pump = asyncio.create_task(self.stream())
+        params = {k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode("latin-1")).items()}
+        await self.subscribe(params, cursor_from(params), announce=False)
 
     async def disconnect(self, code):
-        if hasattr(self, "pump"):
+        if getattr(self, "pump", None) is not None:
             self.pump.cancel()
         if self.channel_layer is not None and hasattr(self, "job_id"):
             await self.channel_layer.group_discard(job_group(self.job_id), self.channel_name)
 
+    async def receive(self, text_data=None, bytes_data=None):
+        try:
+            message = json.loads(text_data or "")
+        except ValueError:
+            message = None
+        if not isinstance(message, dict) or message.get("type") != "subscribe":
+            await self.send_json({"type": "error", "field": "type", "message": 'send {"type": "subscribe", ...}'})
+            return
+        filters = message.get("filters") or {}
+        cursor = message.get("cursor") or {}
+        if not isinstance(filters, dict) or not isinstance(cursor, dict):
+            await self.send_json({"type": "error", "field": "filters", "message": "filters and cursor are objects"})
+            return
+        await self.subscribe(filters, cursor_from({f"after_{k}": v for k, v in cursor.items()}))
+
+    async def subscribe(self, filters: dict, cursor: Cursor, announce: bool = True) -> None:
+        """Stop the running subscription and start one with these filters from this cursor."""
+        if self.pump is not None:
+            self.pump.cancel()
+            await asyncio.gather(self.pump, return_exceptions=True)
+            self.pump = None
+        try:
+            log_filter = LogFilter.parse(filters)
+        except LogFilterError as exc:
+            error: ErrorMessage = {"type": "error", "field": exc.field, "message": exc.message}
+            await self.send_json(error)
+            return
+        self.sub += 1
+        if announce:
+            subscribed: SubscribedMessage = {
+                "type": "subscribed",
+                "sub": self.sub,
+                "filters": log_filter.as_dict(),
+                "cursor": cursor,
+            }
+            await self.send_json(subscribed)
+        self.pump = asyncio.create_task(self.stream(Subscription(self.sub, log_filter, cursor)))
+
     async def log_appended(self, message: LogAppendedHint):
         self.wake.set()
 
-    async def stream(self):
+    async def stream(self, subscription: "Subscription"):
         try:
-            await self.follow()
+            await self.follow(subscription)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("log stream of job %s failed", self.job_id)
             await self.close(code=1011)  # the client reconnects from its cursor
 
-    async def follow(self):
-        """Send every stored line after the cursor, then the state; repeat on each hint or poll."""
+    async def follow(self, sub: "Subscription"):
+        """Send every matching stored line after the cursor, then the state; repeat on each hint or poll."""
+        last_state = None
         while True:
             self.wake.clear()
-            lines, state = await self.read()
-            if lines:
-                await self.send_lines(lines)
-                if len(lines) == BATCH:
-                    continue
-            if state != self.last_state:
-                self.last_state = state
+            lines, cursor, more, state, errors = await self.read(sub)
+            moved = cursor != (sub.cursor["attempt"], sub.cursor["seq"])
+            sub.cursor = {"attempt": cursor[0], "seq": cursor[1]}
+            if lines or moved:
+                batch: LinesMessage = {"type": "lines", "sub": sub.number, "lines": lines, "cursor": sub.cursor}
+                await self.send_json(batch)
+            for line in errors:
+                found: FirstErrorMessage = {
+                    "type": "first_error",
+                    "sub": sub.number,
+                    "line": line,
+                    "telemetry_url": telemetry_url(line),
+                }
+                await self.send_json(found)
+            if more:
+                continue
+            if state != last_state:
+                last_state = state
                 final = state[0] in FINAL_JOB_STATES
                 await self.send_state(state, final=final)
                 if final:
@@ -80,18 +150,21 @@ class JobLogConsumer(AsyncWebsocketConsumer):
                 pass
 
     @database_sync_to_async
-    def read(self):
+    def read(self, sub: "Subscription"):
         # The state is read before the lines: a final state seen here means
         # every line was stored before it, so none can come after "final".
         job = Job.objects.get(pk=self.job_id)
         latest = job.latest_attempt()
-        lines = list(LogLine.after(self.job_id, self.cursor["attempt"], self.cursor["seq"])[:BATCH])
-        return wire_lines(lines), (job.state, latest.state if latest else None, job.exit_code)
-
-    async def send_lines(self, lines):
-        self.cursor = {"attempt": lines[-1]["attempt"], "seq": lines[-1]["seq"]}
-        message: LinesMessage = {"type": "lines", "lines": lines, "cursor": self.cursor}
-        await self.send(text_data=json.dumps(message))
+        before = (sub.cursor["attempt"], sub.cursor["seq"])
+        lines, cursor, more = read_page(self.job_id, sub.filter, before, BATCH)
+        errors = []
+        while cursor != before and (line := first_error(self.job_id, sub.errors_sent)) is not None:
+            if (line.attempt_id, line.seq) > cursor:
+                break  # not reached yet: announce it with the batch that holds it
+            sub.errors_sent.add(line.attempt_id)
+            errors.extend(wire_lines([line]))
+        state = (job.state, latest.state if latest else None, job.exit_code)
+        return wire_lines(lines, sub.filter.pattern()), cursor, more, state, errors
 
     async def send_state(self, state, final: bool):
         job_state, attempt_state, exit_code = state
@@ -102,18 +175,25 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             "exit_code": exit_code,
             "final": final,
         }
+        await self.send_json(message)
+
+    async def send_json(self, message) -> None:
         await self.send(text_data=json.dumps(message))
 
 
-def cursor_from_query(query_string: bytes) -> Cursor:
-    from urllib.parse import parse_qs
+class Subscription:
+    def __init__(self, number: int, log_filter: LogFilter, cursor: Cursor):
+        self.number = number
+        self.filter = log_filter
+        self.cursor = cursor
+        self.errors_sent: set[int] = set()
 
-    params = parse_qs(query_string.decode("latin-1"))
 
+def cursor_from(params: dict) -> Cursor:
     def number(name: str) -> int:
         try:
-            return max(0, int(params.get(name, ["0"])[0]))
-        except ValueError:
+            return max(0, int(params.get(name) or 0))
+        except (TypeError, ValueError):
             return 0
 
     return {"attempt": number("after_attempt"), "seq": number("after_seq")}

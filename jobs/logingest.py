@@ -1,27 +1,48 @@
-"""From a job's pipes to stored log lines: reading, numbering, batching, storing.
+"""From a job's pipes to stored log lines: reading, parsing, batching, storing.
 
 Lines are stored first and pushed as a hint after, so a viewer never misses
 one: it reads the database from its cursor.
+
+Several writers may store lines of one attempt at once (one per rank of a
+multi-node job, each on its own agent). Each batch is stored in one
+transaction that first locks the attempt's row: that is the fence (an attempt
+that is no longer current takes no lines) and it serialises the writers, so
+each batch takes the seq numbers right after the last stored one and commits
+before the next batch can take any. A reader's cursor therefore never skips a
+range that commits later.
+
+The job's pipes are never blocked by storage: reader threads only put lines on
+an unbounded queue, and while the database is unreachable the writer moves
+whatever arrives to a spool file on local disk and sends it, in order, once
+the database answers again.
 """
 
+import asyncio
+import json
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connection, transaction
+from django.db.models import Max
 from django.utils import timezone
 
-from jobs.logparse import decode_line, severity_of
+from jobs.logparse import SeverityReader, decode_line, is_fault
 from jobs.messages import LogAppendedHint, job_group
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine, Severity, Stream
 
 log = logging.getLogger("hangar.agent")
 
 MAX_BATCH = 5000
+MAX_BATCH_BYTES = 4 * 1024 * 1024
+COPY_MIN_ROWS = 64  # below this a multi-row INSERT is as fast as COPY
+COPY_COLUMNS = ("job_id", "attempt_id", "node_id", "rank", "seq", "stream", "severity", "fault", "ts", "text")
 
 
 def read_lines(pipe, stream: int, out: queue.Queue) -> None:
@@ -37,22 +58,136 @@ def read_lines(pipe, stream: int, out: queue.Queue) -> None:
     out.put((stream, None, None, False))
 
 
-class LogWriter(threading.Thread):
-    """Takes lines from the readers in arrival order, numbers them, and stores them in batches.
+@dataclass(slots=True)
+class NewLine:
+    """A parsed line on its way to the database: a LogLine's fields, without the cost of a model instance."""
 
-    A batch is whatever arrived while the previous one was being written, so an
-    idle job's line is stored at once and a flood is stored in large inserts.
+    job_id: int
+    attempt_id: int
+    node_id: int | None
+    rank: int
+    stream: int
+    severity: int
+    fault: bool
+    ts: datetime
+    text: str
+    seq: int = 0
+
+
+class AttemptNotCurrent(Exception):
+    """The attempt ended (or was never started): its lines are refused."""
+
+
+def store_lines(attempt_id: int, rows: list[NewLine]) -> int:
+    """Number and insert one batch of an attempt's lines; returns the last seq.
+
+    Raises AttemptNotCurrent when the attempt no longer takes lines.
+    """
+    with transaction.atomic():
+        # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
+        # attempt that is being ended waits for (or refuses) this batch.
+        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id, state__in=STARTED_ATTEMPT_STATES)
+        if not fenced.values_list("pk", flat=True):
+            raise AttemptNotCurrent(attempt_id)
+        last = LogLine.objects.filter(attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
+        for offset, row in enumerate(rows, start=1):
+            row.seq = last + offset
+        insert_rows(rows)
+    return last + len(rows)
+
+
+def insert_rows(rows: list) -> None:
+    """Bulk insert: COPY on PostgreSQL for large batches, one prepared multi-row INSERT elsewhere.
+
+    Rows go in as plain tuples: building model instances' SQL per row costs
+    more than the insert itself.
+    """
+    table = LogLine._meta.db_table
+    if connection.vendor == "postgresql" and len(rows) >= COPY_MIN_ROWS:
+        with connection.cursor() as cursor:
+            with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+                for r in rows:
+                    copy.write_row(
+                        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, r.ts, r.text)
+                    )
+        return
+    adapt = connection.ops.adapt_datetimefield_value
+    values = [
+        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, adapt(r.ts), r.text)
+        for r in rows
+    ]
+    placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
+    with connection.cursor() as cursor:
+        cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)
+
+
+class Spool:
+    """Lines waiting on local disk for the database, oldest first (one JSON array per line)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0  # bytes of the file already stored
+
+    def __bool__(self) -> bool:
+        return self.path.exists()
+
+    def append(self, rows: list[NewLine]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as out:
+            for r in rows:
+                fields = [r.job_id, r.attempt_id, r.node_id, r.rank, r.stream, r.severity, r.fault]
+                out.write(json.dumps([*fields, r.ts.isoformat(), r.text]) + "\n")
+
+    def chunks(self, size: int = MAX_BATCH):
+        """(rows, end offset) from the first unstored line on; call done(end) once a chunk is stored."""
+        with open(self.path, encoding="utf-8") as spool:
+            spool.seek(self.offset)
+            while True:
+                rows = []
+                while len(rows) < size and (text := spool.readline()):
+                    *fields, ts, line = json.loads(text)
+                    rows.append(NewLine(*fields, datetime.fromisoformat(ts), line))
+                if not rows:
+                    return
+                yield rows, spool.tell()
+
+    def done(self, offset: int) -> None:
+        self.offset = offset
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.offset = 0
+
+
+class LogWriter(threading.Thread):
+    """Takes one rank's lines from its readers in arrival order, parses them, and stores them in batches.
+
+    A batch is whatever arrived while the previous one was being written (up
+    to MAX_BATCH lines or MAX_BATCH_BYTES), so an idle job's line is stored at
+    once and a flood is stored in large inserts.
     """
 
-    def __init__(self, attempt: Attempt, lines: queue.Queue):
-        super().__init__(daemon=True, name=f"logs-{attempt.pk}")
+    def __init__(self, attempt: Attempt, lines: queue.Queue, rank: int = 0, node_id: int | None = None):
+        super().__init__(daemon=True, name=f"logs-{attempt.pk}-{rank}")
         self.attempt = attempt
         self.lines = lines
-        self.seq = 0
+        self.rank = rank
+        self.node_id = attempt.node_id if node_id is None else node_id
+        self.seq = 0  # the last seq this writer stored
         self.open_streams = 0
         self.streams_done = threading.Event()
         self.streams_done.set()
+        self.severity = {stream: SeverityReader(stream) for stream in (Stream.STDOUT, Stream.STDERR)}
+        self.spool = Spool(settings.HANGAR_LOG_SPOOL_DIR / f"attempt-{attempt.pk}-rank-{rank}.jsonl")
+        self.retry_at = 0.0
+        self.retry_delay = 0.0
+        self.refused = False
+        self.batches = 0
+        self.stored = 0
         self.layer = get_channel_layer()
+        # One event loop for all of this writer's hints, so the channel layer keeps
+        # its Redis connection instead of opening one per batch.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def expect_streams(self, count: int) -> None:
         self.open_streams = count
@@ -72,16 +207,37 @@ class LogWriter(threading.Thread):
         try:
             done = False
             while not done:
-                batch = [self.lines.get()]
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.append(self.lines.get_nowait())
-                    except queue.Empty:
-                        break
+                batch = self.collect()
+                if not batch:  # nothing new while lines wait on disk: time to retry them
+                    self.flush_spool(0)
+                    continue
                 done = batch[-1] is None
                 self.store([item for item in batch if item is not None])
+            self.flush_spool(settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS)
+            log.info("attempt %s rank %s: %d lines, %d batches", self.attempt.pk, self.rank, self.stored, self.batches)
         finally:
             connection.close()
+            if self.loop is not None:
+                self.loop.close()  # channels_redis closes this loop's connections
+
+    def collect(self) -> list:
+        """Block for one line (or until a spool retry is due), then take what else is waiting."""
+        try:
+            batch = [self.lines.get(timeout=self.spool_wait() if self.spool else None)]
+        except queue.Empty:
+            return []
+        size = 0
+        while batch[-1] is not None and len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
+            try:
+                item = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            batch.append(item)
+            size += len(item[2] or b"") if item is not None else 0
+        return batch
+
+    def spool_wait(self) -> float:
+        return max(0.05, self.retry_at - time.monotonic())
 
     def store(self, batch: list) -> None:
         rows = []
@@ -93,49 +249,91 @@ class LogWriter(threading.Thread):
                 continue
             rows.append(self.line(stream, ts, raw, flag))
         if rows:
-            self.write(rows)
+            self.deliver(rows)
 
-    def line(self, stream: int, ts, raw: bytes, flag: bool) -> LogLine:
-        self.seq += 1
+    def line(self, stream: int, ts, raw: bytes, flag: bool) -> NewLine:
+        """One line, parsed. Per-line checks of the job's output (fault scans) belong here."""
         if stream == Stream.SYSTEM:
             text = raw.decode()
             severity = Severity.ERROR if flag else Severity.INFO
         else:
             text = decode_line(raw, truncated=flag)
-            severity = severity_of(text, stream)
+            severity = self.severity[stream](text)
         attempt = self.attempt
-        return LogLine(
+        return NewLine(
             job_id=attempt.job_id,
             attempt_id=attempt.pk,
-            node_id=attempt.node_id,
-            rank=0,
-            seq=self.seq,
+            node_id=self.node_id,
+            rank=self.rank,
             stream=stream,
             severity=severity,
+            fault=stream != Stream.SYSTEM and is_fault(text),
             ts=ts,
             text=text,
         )
 
-    def write(self, rows: list[LogLine]) -> None:
-        for delay in (0.1, 0.5, 1, 2, 5, 10, 30):
+    def deliver(self, rows: list[NewLine]) -> None:
+        """Store the rows, or spool them behind older spooled lines until the database answers."""
+        if self.refused:
+            return
+        if self.spool:
+            self.spool.append(rows)
+            if time.monotonic() >= self.retry_at:
+                self.flush_spool(0)
+            return
+        try:
+            self.write(rows)
+        except DatabaseError as exc:
+            log.warning("attempt %s: %d log lines spooled to disk: %s", self.attempt.pk, len(rows), exc)
+            self.spool.append(rows)
+            self.backoff()
+
+    def flush_spool(self, patience: float) -> None:
+        """Send the spooled lines in order; keep trying for `patience` seconds."""
+        deadline = time.monotonic() + patience
+        while self.spool and not self.refused:
             try:
-                if not Attempt.objects.filter(pk=self.attempt.pk, state__in=STARTED_ATTEMPT_STATES).exists():
-                    log.warning("attempt %s is no longer current: %d lines refused", self.attempt.pk, len(rows))
-                    return
-                LogLine.objects.bulk_create(rows)
-                self.hint(rows[-1].seq)
+                for rows, end in self.spool.chunks():
+                    self.write(rows)
+                    if self.refused:
+                        return
+                    self.spool.done(end)
+                self.spool.discard()
+                self.retry_delay = 0.0
                 return
             except DatabaseError as exc:
-                log.warning("storing %d log lines failed (%s); retrying in %ss", len(rows), exc, delay)
-                close_old_connections()
-                time.sleep(delay)
-        log.error("attempt %s: %d log lines could not be stored", self.attempt.pk, len(rows))
+                log.warning("attempt %s: spooled log lines still not stored: %s", self.attempt.pk, exc)
+                self.backoff()
+                if time.monotonic() + self.retry_delay > deadline:
+                    if patience:
+                        log.error("attempt %s: log lines left unsent in %s", self.attempt.pk, self.spool.path)
+                    return
+                time.sleep(self.retry_delay)
+
+    def backoff(self) -> None:
+        close_old_connections()
+        connection.close()  # a broken connection is not reused
+        self.retry_delay = min(max(self.retry_delay * 2, 0.2), 5.0)
+        self.retry_at = time.monotonic() + self.retry_delay
+
+    def write(self, rows: list[NewLine]) -> None:
+        try:
+            self.seq = store_lines(self.attempt.pk, rows)
+            self.batches += 1
+            self.stored += len(rows)
+        except AttemptNotCurrent:
+            log.warning("attempt %s is no longer current: its log lines are refused", self.attempt.pk)
+            self.refused = True
+            self.spool.discard()
+            return
+        self.hint(self.seq)
 
     def hint(self, seq: int) -> None:
         if self.layer is None:
             return
         message: LogAppendedHint = {"type": "log.appended", "attempt": self.attempt.pk, "seq": seq}
         try:
-            async_to_sync(self.layer.group_send)(job_group(self.attempt.job_id), message)
+            self.loop = self.loop or asyncio.new_event_loop()
+            self.loop.run_until_complete(self.layer.group_send(job_group(self.attempt.job_id), message))
         except Exception as exc:  # a lost hint only delays delivery until the next poll
             log.debug("log hint not sent: %s", exc)

@@ -42,3 +42,52 @@ def severity_of(text: str, stream: int) -> int:
     if text.startswith("Traceback (most recent call last)"):
         return Severity.ERROR
     return Severity.WARNING if stream == Stream.STDERR else Severity.INFO
+
+
+# NCCL, GPU driver (Xid), CUDA and ECC faults: the line that explains a crash
+# even when the program printed it at a harmless level.
+_FAULT_RE = re.compile(
+    r"NCCL (?:WARN|ERROR)|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|NCCL error"
+    r"|\bXid\b|CUDA error|CUDA_ERROR_\w+|cudaError\w+|uncorrectable ECC|ECC error|illegal memory access"
+)
+
+
+_FAULT_WORDS = ("NCCL", "nccl", "Xid", "CUDA", "cuda", "ECC", "illegal memory")
+
+
+def is_fault(text: str) -> bool:
+    """The line names an NCCL, Xid, CUDA or ECC fault."""
+    # Substring tests first: the regex costs a few microseconds on every line of a flood.
+    return any(word in text for word in _FAULT_WORDS) and _FAULT_RE.search(text) is not None
+
+
+_TRACEBACK_START = "Traceback (most recent call last)"
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+class SeverityReader:
+    """Severity of each line of one stream, keeping a Python traceback together as one ERROR block.
+
+    A traceback runs from "Traceback (most recent call last):" over its
+    indented frames to the exception line ("ValueError: ..."), which ends it;
+    chained tracebacks ("During handling of ...") continue the block.
+    """
+
+    def __init__(self, stream: int):
+        self.stream = stream
+        self.in_traceback = False
+        self.after_traceback = False  # a blank line then "During handling ..." chains another
+
+    def __call__(self, text: str) -> int:
+        if text.startswith(_TRACEBACK_START) or (self.after_traceback and text.startswith(_CHAINED)):
+            self.in_traceback, self.after_traceback = True, False
+            return Severity.ERROR
+        if self.in_traceback:
+            if text[:1] in (" ", "\t") or text.startswith(_CHAINED) or not text.strip():
+                return Severity.ERROR
+            self.in_traceback, self.after_traceback = False, True  # the exception line closes the block
+            return max(Severity.ERROR, severity_of(text, self.stream))
+        if self.after_traceback and not text.strip():
+            return Severity.ERROR
+        self.after_traceback = False
+        return severity_of(text, self.stream)

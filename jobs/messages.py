@@ -20,15 +20,18 @@ class LogAppendedHint(TypedDict):
     seq: int
 
 
-class WireLine(TypedDict):
-    attempt: int
+class WireLine(TypedDict, total=False):
+    attempt: int  # the attempt's id: cursors are (attempt id, seq)
+    attempt_number: int
     seq: int
     ts: str
     node: str | None
     rank: int
     stream: str
     severity: str
+    fault: bool
     text: str
+    hl: list[list[int]]  # [start, end] of each match of the text filter, only when one is set
 
 
 class Cursor(TypedDict):
@@ -36,12 +39,49 @@ class Cursor(TypedDict):
     seq: int
 
 
+class SubscribeMessage(TypedDict, total=False):
+    """Browser/CLI -> server: (re)start the stream with these filters, after this cursor."""
+
+    type: Literal["subscribe"]
+    filters: dict
+    cursor: Cursor
+
+
+class SubscribedMessage(TypedDict):
+    """Server -> browser/CLI: the subscription `sub` is active with these (normalised) filters."""
+
+    type: Literal["subscribed"]
+    sub: int
+    filters: dict
+    cursor: Cursor
+
+
 class LinesMessage(TypedDict):
-    """Server -> browser/CLI: a batch of lines in order, and the cursor after the last one."""
+    """Server -> browser/CLI: a batch of matching lines in order, and the cursor to resume from.
+
+    `lines` may be empty when only the cursor moved (lines were stored that do not match)."""
 
     type: Literal["lines"]
+    sub: int
     lines: list[WireLine]
     cursor: Cursor
+
+
+class FirstErrorMessage(TypedDict):
+    """Server -> browser/CLI: the first line at ERROR or worse, or naming a GPU/NCCL fault, of an attempt."""
+
+    type: Literal["first_error"]
+    sub: int
+    line: WireLine
+    telemetry_url: str | None
+
+
+class ErrorMessage(TypedDict):
+    """Server -> browser/CLI: a subscribe message was refused; the field names what to change."""
+
+    type: Literal["error"]
+    field: str
+    message: str
 
 
 class StateMessage(TypedDict):
@@ -54,22 +94,38 @@ class StateMessage(TypedDict):
     final: bool
 
 
-def wire_lines(lines) -> list[WireLine]:
-    """Stored LogLine rows in the shape the API and the websocket send."""
+def telemetry_url(line: WireLine) -> str | None:
+    """The node's GPU telemetry page at the moment of a line."""
+    if not line.get("node"):
+        return None
+    from urllib.parse import quote
+
+    return f"/fleet/nodes/{quote(line['node'])}/?at={quote(line['ts'])}"
+
+
+def wire_lines(lines, pattern=None) -> list[WireLine]:
+    """Stored LogLine rows in the shape the API and the websocket send; `hl` when a text filter is set."""
     from fleet.models import Node
-    from jobs.models import Severity, Stream
+    from jobs.logquery import highlights
+    from jobs.models import Attempt, Severity, Stream
 
     names = dict(Node.objects.filter(pk__in={line.node_id for line in lines}).values_list("pk", "name"))
-    return [
-        {
+    numbers = dict(Attempt.objects.filter(pk__in={line.attempt_id for line in lines}).values_list("pk", "number"))
+    out: list[WireLine] = []
+    for line in lines:
+        wire: WireLine = {
             "attempt": line.attempt_id,
+            "attempt_number": numbers.get(line.attempt_id),
             "seq": line.seq,
             "ts": line.ts.isoformat(),
             "node": names.get(line.node_id),
             "rank": line.rank,
             "stream": Stream(line.stream).label,
             "severity": Severity(line.severity).label,
+            "fault": line.fault,
             "text": line.text,
         }
-        for line in lines
-    ]
+        if pattern is not None:
+            wire["hl"] = highlights(pattern, line.text)
+        out.append(wire)
+    return out

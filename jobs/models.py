@@ -349,21 +349,40 @@ class Severity(models.IntegerChoices):
 
 
 class LogLine(models.Model):
-    """One line of a job's output. `seq` counts from 1 within its attempt, with no gaps."""
+    """One line of a job's output. `seq` counts from 1 within its attempt, with no gaps,
+    across all ranks of the attempt (see jobs/logingest.py for how writers share it)."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_lines")
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_lines")
+    # job and attempt are indexed by log_job_cursor and log_seq_unique; an index of
+    # their own would only slow ingest down.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_lines", db_index=False)
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_lines", db_index=False)
     node = models.ForeignKey("fleet.Node", null=True, on_delete=models.SET_NULL, related_name="+")
     rank = models.PositiveSmallIntegerField(default=0)
     seq = models.PositiveIntegerField()
     stream = models.PositiveSmallIntegerField(choices=Stream.choices)
     severity = models.PositiveSmallIntegerField(choices=Severity.choices, default=Severity.INFO)
+    fault = models.BooleanField(default=False, help_text="Matches an NCCL/Xid/CUDA/ECC fault pattern.")
     ts = models.DateTimeField()
     text = models.TextField()
 
     class Meta:
         ordering = ["attempt_id", "seq"]
         constraints = [models.UniqueConstraint(fields=["attempt", "seq"], name="log_seq_unique")]
+        indexes = [
+            # Cursor paging of a job's lines; the other filters narrow within a job.
+            models.Index(fields=["job", "attempt", "seq"], name="log_job_cursor"),
+            models.Index(fields=["job", "severity"], name="log_job_severity"),
+            # Finding an attempt's first error: only errors and faults are in it.
+            models.Index(
+                fields=["job", "attempt", "seq"],
+                condition=Q(severity__gte=40) | Q(fault=True),
+                name="log_job_errors",
+            ),
+            models.Index(fields=["job", "node", "rank"], name="log_job_node"),
+            models.Index(fields=["job", "ts"], name="log_job_ts"),
+            # Retention deletes by age across all jobs.
+            models.Index(fields=["ts"], name="log_ts"),
+        ]
 
     @classmethod
     def after(cls, job_id: int, attempt_id: int, seq: int) -> models.QuerySet:
@@ -373,3 +392,25 @@ class LogLine(models.Model):
             .filter(Q(attempt_id__gt=attempt_id) | Q(attempt_id=attempt_id, seq__gt=seq))
             .order_by("attempt_id", "seq")
         )
+
+    @classmethod
+    def high_water(cls, job_id: int) -> tuple[int, int]:
+        """The cursor of the job's last stored line, (0, 0) when none.
+
+        Writers commit an attempt's lines in seq order and a job has one live
+        attempt, so every line at or before this cursor is already visible.
+        """
+        last = cls.objects.filter(job_id=job_id).order_by("-attempt_id", "-seq").values_list("attempt_id", "seq")
+        return last.first() or (0, 0)
+
+    @classmethod
+    def delete_expired(cls, days: float, batch: int = 10_000, max_batches: int = 100) -> int:
+        """Delete lines older than `days` in bounded batches, so no pass holds long locks."""
+        cutoff = timezone.now() - timedelta(days=days)
+        deleted = 0
+        for _ in range(max_batches):
+            ids = list(cls.objects.filter(ts__lt=cutoff).order_by("ts").values_list("pk", flat=True)[:batch])
+            if not ids:
+                break
+            deleted += cls.objects.filter(pk__in=ids).delete()[0]
+        return deleted

@@ -279,6 +279,13 @@ HANGAR_KILL_GRACE_SECONDS = env_float("HANGAR_KILL_GRACE_SECONDS", 10.0, minimum
 HANGAR_DEFAULT_MAX_RUNTIME_SECONDS = env_int("HANGAR_DEFAULT_MAX_RUNTIME_SECONDS", 24 * 3600, minimum=1)
 HANGAR_MAX_REQUEUES = env_int("HANGAR_MAX_REQUEUES", 5, minimum=0)
 HANGAR_LOG_LINE_MAX_BYTES = env_int("HANGAR_LOG_LINE_MAX_BYTES", 16 * 1024, minimum=256)
+# Where an agent keeps log lines while the database is unreachable, and how long a
+# finished job's writer keeps retrying them before leaving them there.
+HANGAR_LOG_SPOOL_DIR = Path(env_str("HANGAR_LOG_SPOOL_DIR", str(DATA_DIR / "log-spool")))
+HANGAR_LOG_SPOOL_FLUSH_SECONDS = env_float("HANGAR_LOG_SPOOL_FLUSH_SECONDS", 60.0)
+# Log lines older than this are deleted by the scheduler's periodic pass, in batches.
+HANGAR_LOG_RETENTION_DAYS = env_float("HANGAR_LOG_RETENTION_DAYS", 60.0, minimum=0.001)
+HANGAR_LOG_RETENTION_INTERVAL_SECONDS = env_float("HANGAR_LOG_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 
 LOGGING = {

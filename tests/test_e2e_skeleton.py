@@ -40,10 +40,12 @@ def stack(request, tmp_path_factory):
         yield live
 
 
-def follow_logs(stack: LiveStack, job_id: int, after: dict | None = None, stop_after: int | None = None, timeout=60):
+def follow_logs(
+    stack: LiveStack, job_id: int, after: dict | None = None, stop_after: int | None = None, timeout=60, filters=""
+):
     """Read the log websocket until the job's final state (or `stop_after` lines)."""
     after = after or {"attempt": 0, "seq": 0}
-    url = f"{stack.ws_url}/ws/jobs/{job_id}/logs/?after_attempt={after['attempt']}&after_seq={after['seq']}"
+    url = f"{stack.ws_url}/ws/jobs/{job_id}/logs/?after_attempt={after['attempt']}&after_seq={after['seq']}{filters}"
     lines, final = [], None
     with connect(url, additional_headers=stack.headers(), open_timeout=10) as ws:
         deadline = time.monotonic() + timeout

@@ -1,5 +1,4 @@
 from django.db import IntegrityError
-from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -8,11 +7,9 @@ from rest_framework.exceptions import APIException, PermissionDenied
 from rest_framework.response import Response
 
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
-from jobs.messages import wire_lines
-from jobs.models import Job, JobState, LogLine
+from jobs.models import Job, JobState
 from portal.models import Project, Role
 
-LOG_PAGE_MAX = 5000
 IDEMPOTENCY_HEADER = OpenApiParameter(
     "Idempotency-Key",
     OpenApiTypes.STR,
@@ -119,29 +116,6 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def attempts(self, request, pk=None):
         job = self.get_object()
         return Response(AttemptSerializer(job.attempts.select_related("node"), many=True).data)
-
-    @extend_schema(
-        parameters=[
-            OpenApiParameter("after_attempt", int),
-            OpenApiParameter("after_seq", int),
-            OpenApiParameter("limit", int),
-        ],
-        responses=OpenApiTypes.OBJECT,
-    )
-    @action(detail=True, methods=["get"])
-    def logs(self, request, pk=None):
-        """Stored lines after a cursor: ?after_attempt=ID&after_seq=N&limit=M."""
-        job = get_object_or_404(self.get_queryset(), pk=pk)
-        after_attempt = int_param(request, "after_attempt", 0)
-        after_seq = int_param(request, "after_seq", 0)
-        limit = min(int_param(request, "limit", 1000), LOG_PAGE_MAX)
-        lines = list(LogLine.after(job.pk, after_attempt, after_seq)[:limit])
-        cursor = (
-            {"attempt": lines[-1].attempt_id, "seq": lines[-1].seq}
-            if lines
-            else {"attempt": after_attempt, "seq": after_seq}
-        )
-        return Response({"lines": wire_lines(lines), "cursor": cursor, "job_state": job.state})
 
 
 def filter_jobs(jobs, params, user):

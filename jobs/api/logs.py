@@ -1,0 +1,127 @@
+"""The log API: filtered, cursor-paged lines (with a long-poll follow mode) and streamed downloads.
+
+    GET /api/v1/jobs/<id>/logs/?after_attempt=&after_seq=&limit=&follow=&wait=&<filters>
+    GET /api/v1/jobs/<id>/logs/download/?as=text|jsonl&<filters>
+
+Filters (jobs/logquery.py): attempt, node, rank, severity, since, until,
+last_minutes, q, regex.
+"""
+
+import json
+import time
+
+from asgiref.sync import sync_to_async
+from django.core.handlers.asgi import ASGIRequest
+from django.http import StreamingHttpResponse
+from django.shortcuts import get_object_or_404
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from jobs.api.views import int_param
+from jobs.logquery import LogFilter, LogFilterError, read_page
+from jobs.messages import wire_lines
+from jobs.models import FINAL_JOB_STATES, Job
+
+LOG_PAGE_MAX = 5000
+FOLLOW_WAIT_MAX = 25.0
+FOLLOW_POLL_SECONDS = 0.2
+DOWNLOAD_CHUNK = 5000
+
+
+def visible_job(request, pk: int) -> Job:
+    return get_object_or_404(Job.objects.visible_to(request.user), pk=pk)
+
+
+def parse_filter(request) -> LogFilter:
+    try:
+        return LogFilter.parse(request.query_params)
+    except LogFilterError as exc:
+        raise serializers.ValidationError({exc.field: exc.message})
+
+
+class JobLogsView(APIView):
+    """Matching lines after a cursor, and the cursor to pass next. With follow=1 the request
+    waits up to `wait` seconds (default 20) for a line when none is there yet."""
+
+    def get(self, request, pk: int):
+        job = visible_job(request, pk)
+        log_filter = parse_filter(request)
+        cursor = (int_param(request, "after_attempt", 0), int_param(request, "after_seq", 0))
+        limit = max(1, min(int_param(request, "limit", 1000), LOG_PAGE_MAX))
+        follow = request.query_params.get("follow", "").lower() in ("1", "true", "yes")
+        wait = min(float(int_param(request, "wait", 20)), FOLLOW_WAIT_MAX) if follow else 0.0
+        deadline = time.monotonic() + wait
+        while True:
+            # The state is read before the lines: a final state seen here means every line is stored.
+            state = Job.objects.filter(pk=job.pk).values_list("state", flat=True).get()
+            lines, after, more = read_page(job.pk, log_filter, cursor, limit)
+            final = state in FINAL_JOB_STATES and not more
+            if lines or final or time.monotonic() >= deadline:
+                break
+            cursor = after
+            time.sleep(FOLLOW_POLL_SECONDS)
+        return Response(
+            {
+                "lines": wire_lines(lines, log_filter.pattern()),
+                "cursor": {"attempt": after[0], "seq": after[1]},
+                "more": more,
+                "job_state": state,
+                "final": final,
+                "filters": log_filter.as_dict(),
+            }
+        )
+
+
+class JobLogDownloadView(APIView):
+    """The whole (filtered) log as plain text or JSON lines, streamed in chunks read by cursor."""
+
+    def get(self, request, pk: int):
+        job = visible_job(request, pk)
+        log_filter = parse_filter(request)
+        kind = request.query_params.get("as", "text")
+        if kind not in ("text", "jsonl"):
+            raise serializers.ValidationError({"as": f"{kind!r} is not a download format; use text or jsonl"})
+        chunks = DownloadChunks(job.pk, log_filter, kind)
+        # Under ASGI a synchronous iterator would be read whole before sending: stream asynchronously there.
+        content = chunks.async_iter() if isinstance(request._request, ASGIRequest) else iter(chunks)
+        response = StreamingHttpResponse(
+            content, content_type="application/x-ndjson" if kind == "jsonl" else "text/plain; charset=utf-8"
+        )
+        suffix = "jsonl" if kind == "jsonl" else "log"
+        response["Content-Disposition"] = f'attachment; filename="job-{job.pk}.{suffix}"'
+        return response
+
+
+class DownloadChunks:
+    def __init__(self, job_id: int, log_filter: LogFilter, kind: str):
+        self.job_id, self.log_filter, self.kind = job_id, log_filter, kind
+        self.cursor = (0, 0)
+        self.done = False
+
+    def next_chunk(self) -> bytes | None:
+        if self.done:
+            return None
+        lines = list(self.log_filter.lines_after(self.job_id, self.cursor)[:DOWNLOAD_CHUNK])
+        if len(lines) < DOWNLOAD_CHUNK:
+            self.done = True
+        if not lines:
+            return None
+        self.cursor = (lines[-1].attempt_id, lines[-1].seq)
+        wire = wire_lines(lines)
+        if self.kind == "jsonl":
+            return "".join(json.dumps(line) + "\n" for line in wire).encode()
+        return "".join(text_line(line) for line in wire).encode()
+
+    def __iter__(self):
+        while (chunk := self.next_chunk()) is not None:
+            yield chunk
+
+    async def async_iter(self):
+        while (chunk := await sync_to_async(self.next_chunk)()) is not None:
+            yield chunk
+
+
+def text_line(line: dict) -> str:
+    """One line of the plain-text download: time, node, rank, stream, severity, text."""
+    return f"{line['ts']} {line['node'] or '-'} r{line['rank']} {line['stream']} {line['severity']} {line['text']}\n"

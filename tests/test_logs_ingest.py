@@ -1,0 +1,192 @@
+"""Log ingest: parsing tracebacks and faults, numbering with several writers, bulk
+storage, the fence, and the disk spool while the database is unreachable."""
+
+import queue
+import threading
+
+import pytest
+from django.db import OperationalError
+from django.utils import timezone
+
+from jobs import logingest
+from jobs.logingest import LogWriter
+from jobs.logparse import TRUNCATION_MARKER, SeverityReader, is_fault
+from jobs.models import Attempt, LogLine, Severity, Stream
+from tests.conftest import make_attempt, make_job, make_node
+
+TRACEBACK = [
+    ("step 3", Severity.INFO),
+    ("Traceback (most recent call last):", Severity.ERROR),
+    ('  File "train.py", line 3, in <module>', Severity.ERROR),
+    ("    main()", Severity.ERROR),
+    ("KeyError: 'lr'", Severity.ERROR),
+    ("", Severity.ERROR),
+    ("During handling of the above exception, another exception occurred:", Severity.ERROR),
+    ("", Severity.ERROR),
+    ("Traceback (most recent call last):", Severity.ERROR),
+    ('  File "train.py", line 5, in <module>', Severity.ERROR),
+    ("RuntimeError: boom", Severity.ERROR),
+    ("cleanup done", Severity.INFO),
+]
+
+
+def test_a_traceback_is_one_error_block_up_to_its_exception_line():
+    read = SeverityReader(Stream.STDOUT)
+
+    assert [(text, read(text)) for text, _ in TRACEBACK] == TRACEBACK
+
+
+def test_a_traceback_on_stderr_ends_in_a_warning_afterwards():
+    read = SeverityReader(Stream.STDERR)
+
+    assert [read(t) for t in ("Traceback (most recent call last):", "  x", "ValueError: v", "later")] == [
+        Severity.ERROR,
+        Severity.ERROR,
+        Severity.ERROR,
+        Severity.WARNING,
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "node1:1:2 [0] NCCL WARN Call to connect returned Connection refused",
+        "NCCL error in: ProcessGroupNCCL.cpp:1269, unhandled system error",
+        "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus",
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "uncorrectable ECC error encountered",
+    ],
+)
+def test_it_recognises_gpu_and_nccl_faults(text):
+    assert is_fault(text)
+
+
+@pytest.mark.parametrize("text", ["epoch 1 loss 0.3", "NCCL INFO Bootstrap : Using eth0", "Xidian dataset loaded"])
+def test_ordinary_lines_are_not_faults(text):
+    assert not is_fault(text)
+
+
+# --- writers against the database ---------------------------------------------------
+
+
+@pytest.fixture
+def attempt(project, owner, settings, tmp_path):
+    settings.HANGAR_LOG_SPOOL_DIR = tmp_path / "spool"
+    node = make_node()
+    job = make_job(project, owner)
+    return make_attempt(job, node, "running", running_at=timezone.now())
+
+
+def write(attempt: Attempt, lines: list[bytes], stream: int = Stream.STDOUT, rank: int = 0, node_id=None):
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q, rank=rank, node_id=node_id)
+    writer.start()
+    for raw in lines:
+        q.put((stream, timezone.now(), raw, False))
+    writer.close()
+    return writer
+
+
+def stored(attempt: Attempt) -> list[LogLine]:
+    return list(LogLine.objects.filter(attempt=attempt).order_by("seq"))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_stores_lines_numbered_from_one_with_their_parsed_fields(attempt):
+    write(attempt, [b"hello\n", b"[ERROR] disk full\n", b"caf\xc3\xa9 \xff\n", b"NCCL WARN socket closed\n"])
+
+    lines = stored(attempt)
+    assert [line.seq for line in lines] == [1, 2, 3, 4]
+    assert [line.text for line in lines] == ["hello", "[ERROR] disk full", "café \ufffd", "NCCL WARN socket closed"]
+    assert [line.severity for line in lines] == [Severity.INFO, Severity.ERROR, Severity.INFO, Severity.WARNING]
+    assert [line.fault for line in lines] == [False, False, False, True]
+    assert {(line.job_id, line.node_id, line.rank, line.stream) for line in lines} == {
+        (attempt.job_id, attempt.node_id, 0, Stream.STDOUT)
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_line_over_the_limit_is_stored_cut_with_a_marker(attempt, settings):
+    settings.HANGAR_LOG_LINE_MAX_BYTES = 256
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    writer.start()
+    import io
+
+    writer.expect_streams(1)
+    logingest.read_lines(io.BytesIO(b"short\n" + b"x" * 1000 + b"\n\xff\xfe tail\n"), Stream.STDERR, q)
+    writer.close()
+
+    texts = [line.text for line in stored(attempt)]
+    assert texts == ["short", "x" * 256 + TRUNCATION_MARKER, "\ufffd\ufffd tail"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ranks_on_several_nodes_share_one_gap_free_sequence(attempt):
+    node_b = make_node("node-b")
+    per_rank = 300
+    writers = [
+        threading.Thread(
+            target=write,
+            args=(attempt, [f"rank {rank} line {i}\n".encode() for i in range(per_rank)]),
+            kwargs={"rank": rank, "node_id": node_b.pk if rank % 2 else None},
+        )
+        for rank in range(4)
+    ]
+    for thread in writers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+
+    lines = stored(attempt)
+    assert [line.seq for line in lines] == list(range(1, 4 * per_rank + 1))
+    for rank in range(4):
+        mine = [line for line in lines if line.rank == rank]
+        assert [line.text for line in mine] == [f"rank {rank} line {i}" for i in range(per_rank)]
+        assert {line.node_id for line in mine} == {node_b.pk if rank % 2 else attempt.node_id}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_of_an_attempt_that_is_no_longer_current_are_refused(attempt):
+    Attempt.objects.filter(pk=attempt.pk).update(state="lost")
+
+    writer = write(attempt, [b"late\n"])
+
+    assert writer.refused
+    assert stored(attempt) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_wait_on_disk_while_the_database_is_down_and_none_is_lost(attempt, monkeypatch):
+    real = logingest.store_lines
+    down = threading.Event()
+    down.set()
+    calls = []
+
+    def flaky(attempt_id, rows):
+        calls.append(len(rows))
+        if down.is_set():
+            raise OperationalError("connection refused")
+        return real(attempt_id, rows)
+
+    monkeypatch.setattr(logingest, "store_lines", flaky)
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    writer.start()
+    for i in range(50):
+        q.put((Stream.STDOUT, timezone.now(), f"line {i}\n".encode(), False))
+    deadline = timezone.now().timestamp() + 5
+    while not writer.spool and timezone.now().timestamp() < deadline:
+        threading.Event().wait(0.01)
+    assert writer.spool.path.exists()
+    for i in range(50, 100):
+        q.put((Stream.STDOUT, timezone.now(), f"line {i}\n".encode(), False))
+    assert stored(attempt) == []
+
+    down.clear()
+    writer.close()
+
+    lines = stored(attempt)
+    assert [line.text for line in lines] == [f"line {i}" for i in range(100)]
+    assert [line.seq for line in lines] == list(range(1, 101))
+    assert not writer.spool.path.exists()
