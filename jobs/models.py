@@ -5,6 +5,7 @@ conditional update on the current state, so a transition applied twice (a
 retried message, two schedulers, a late agent) takes effect once.
 """
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -36,6 +37,7 @@ class AttemptState(models.TextChoices):
     SUCCEEDED = "succeeded", "Succeeded"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
+    PREEMPTED = "preempted", "Preempted"
     LOST = "lost", "Lost"
 
     @property
@@ -52,6 +54,7 @@ STATE_COLOURS = {
     "failed": "red",
     "cancelled": "orange",
     "lost": "red",
+    "preempted": "orange",
 }
 
 FINAL_JOB_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
@@ -68,6 +71,8 @@ class FailureClass(models.TextChoices):
 
 
 class Priority(models.TextChoices):
+    """The built-in priority classes; HANGAR_PRIORITY_CLASSES may define others."""
+
     URGENT = "urgent", "Urgent"
     HIGH = "high", "High"
     NORMAL = "normal", "Normal"
@@ -77,7 +82,56 @@ class Priority(models.TextChoices):
     @property
     def rank(self) -> int:
         """Higher goes first."""
-        return {"urgent": 40, "high": 30, "normal": 20, "low": 10, "scavenger": 0}[self.value]
+        return priority_class(self.value).rank
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    rank: int
+    may_preempt: bool = False
+    preemptible: bool = False
+
+
+def priority_classes() -> dict[str, PriorityClass]:
+    """The configured classes (HANGAR_PRIORITY_CLASSES), highest rank first."""
+    configured = settings.HANGAR_PRIORITY_CLASSES
+    ordered = sorted(configured.items(), key=lambda item: -item[1]["rank"])
+    return {name: PriorityClass(name, **fields) for name, fields in ordered}
+
+
+def priority_class(name: str) -> PriorityClass:
+    """A class by name; a name no longer configured ranks lowest and is preemptible."""
+    return priority_classes().get(name) or PriorityClass(name, rank=-1, preemptible=True)
+
+
+class EnvironmentKind(models.TextChoices):
+    HOST = "host", "Host interpreter or virtualenv"
+    CONTAINER = "container", "Container image (docker run --gpus)"
+
+
+class Environment(models.Model):
+    """Where a job's command runs: a host interpreter/virtualenv, or a container image.
+
+    A node advertises the environments it can run (`manage.py agent --environments`);
+    one marked `everywhere` runs on every node.
+    """
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    kind = models.CharField(max_length=16, choices=EnvironmentKind.choices, default=EnvironmentKind.HOST)
+    path = models.CharField(
+        max_length=500, blank=True, help_text="Host kind: a virtualenv or prefix; its bin/ goes first on PATH."
+    )
+    image = models.CharField(max_length=300, blank=True, help_text="Container kind: the image to run.")
+    everywhere = models.BooleanField(default=False, help_text="Every node can run it.")
+    nodes = models.ManyToManyField("fleet.Node", blank=True, related_name="environments")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class JobQuerySet(models.QuerySet):
@@ -94,8 +148,16 @@ class Job(models.Model):
     gpus_per_node = models.PositiveSmallIntegerField(default=1)
     nodes = models.PositiveSmallIntegerField(default=1)
     gpu_type = models.CharField(max_length=64, blank=True, help_text="Blank: any GPU type.")
-    priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.NORMAL)
+    priority = models.CharField(max_length=32, default=Priority.NORMAL, help_text="A class of HANGAR_PRIORITY_CLASSES.")
+    preemptible = models.BooleanField(
+        null=True, blank=True, help_text="Blank: as its priority class says. True makes any class preemptible."
+    )
+    environment = models.ForeignKey(Environment, null=True, blank=True, on_delete=models.PROTECT, related_name="jobs")
     max_runtime_seconds = models.PositiveIntegerField()
+    max_retries = models.PositiveSmallIntegerField(default=0, help_text="Retries after the command itself failed.")
+    retries = models.PositiveSmallIntegerField(default=0, help_text="Retries used (failure class user).")
+    preemptions = models.PositiveIntegerField(default=0, help_text="Times preempted and requeued.")
+    order_at = models.DateTimeField(default=timezone.now, help_text="Place within its priority class in the queue.")
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     queued_at = models.DateTimeField(default=timezone.now)
@@ -125,6 +187,18 @@ class Job(models.Model):
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @property
+    def priority_class(self) -> PriorityClass:
+        return priority_class(self.priority)
+
+    @property
+    def is_preemptible(self) -> bool:
+        return bool(self.preemptible) or self.priority_class.preemptible
+
+    def checkpoint_dir(self):
+        """Kept across attempts, so a preempted or retried job can resume."""
+        return settings.HANGAR_JOB_WORKDIR / str(self.pk) / "checkpoints"
+
     def latest_attempt(self) -> "Attempt | None":
         return self.attempts.order_by("-number").first()
 
@@ -145,6 +219,9 @@ class Job(models.Model):
             if done:
                 AuditEvent.record(by, "job.cancel", self, reason=reason)
                 JobEvent.objects.create(job=self, kind="cancel", message=reason)
+                from jobs.scheduler import request_pass
+
+                request_pass()  # a waiting job may have held back smaller ones
         self.refresh_from_db()
         return done
 
@@ -162,7 +239,10 @@ class Job(models.Model):
 
 
 class Attempt(models.Model):
-    """One try of a job on a concrete placement (a node and GPU indices)."""
+    """One try of a job on a concrete placement: one rank per node, each with its GPU indices.
+
+    `node` and `gpu_indices` are rank 0's; `placement` lists every rank's.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveSmallIntegerField()
@@ -180,6 +260,10 @@ class Attempt(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     pid = models.IntegerField(null=True, blank=True)
+    placement = models.JSONField(default=list, blank=True, help_text='[{"rank", "node_id", "node", "gpus"}], by rank.')
+    borrowed = models.BooleanField(default=False, help_text="Placed on GPUs beyond its project's quota.")
+    preempt_requested_at = models.DateTimeField(null=True, blank=True)
+    rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
 
     class Meta:
         ordering = ["job", "number"]
@@ -202,6 +286,13 @@ class Attempt(models.Model):
     @property
     def is_live(self) -> bool:
         return self.state in ACTIVE_ATTEMPT_STATES
+
+    @property
+    def ranks(self) -> list[dict]:
+        """Every rank's node and GPUs (a one-node attempt of old has no placement stored)."""
+        if self.placement:
+            return self.placement
+        return [{"rank": 0, "node_id": self.node_id, "node": None, "gpus": self.gpu_indices}]
 
     def preflight_seconds(self) -> float | None:
         if self.started_at is None:
@@ -267,20 +358,19 @@ class Attempt(models.Model):
         job = Job.objects.select_for_update().get(pk=self.job_id)
         if job.is_final:
             return
-        requeue = self.failure_class == FailureClass.INFRA and job.requeues < settings.HANGAR_MAX_REQUEUES
         if self.state == AttemptState.CANCELLED or self._cancel_was_requested():
-            update = {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED}
-        elif requeue:
-            update = {"state": JobState.QUEUED, "queued_at": now, "requeues": job.requeues + 1}
+            kind, update = JobState.CANCELLED, {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED}
         elif self.state == AttemptState.SUCCEEDED:
-            update = {"state": JobState.SUCCEEDED, "failure_class": ""}
+            kind, update = JobState.SUCCEEDED, {"state": JobState.SUCCEEDED, "failure_class": ""}
+        elif requeue := requeue_for(self.failure_class, job):
+            kind, update = requeue
+            update.update(state=JobState.QUEUED, queued_at=now)
         else:
-            update = {"state": JobState.FAILED, "failure_class": self.failure_class}
+            kind, update = JobState.FAILED, {"state": JobState.FAILED, "failure_class": self.failure_class}
         if update["state"] != JobState.QUEUED:
             update.update(finished_at=now, exit_code=self.exit_code)
         update["state_reason"] = self.reason
         Job.objects.filter(pk=job.pk).update(**update)
-        kind = "requeue" if requeue else update["state"]
         JobEvent.objects.create(job_id=job.pk, attempt=self, kind=kind, message=self.reason)
 
     def _cancel_was_requested(self) -> bool:
@@ -305,6 +395,19 @@ class Attempt(models.Model):
             for a in stale
             if a.finish(AttemptState.LOST, FailureClass.INFRA, reason, from_states=[AttemptState.SCHEDULED])
         ]
+
+
+def requeue_for(failure_class: str, job: Job) -> tuple[str, dict] | None:
+    """Whether a job whose attempt ended this way goes back to the queue: the event
+    kind and the counter it uses. Only the command's own failures use the job's
+    retry budget; infrastructure losses and preemptions have caps against loops."""
+    if failure_class == FailureClass.USER and job.retries < job.max_retries:
+        return "retry", {"retries": job.retries + 1}
+    if failure_class == FailureClass.INFRA and job.requeues < settings.HANGAR_MAX_REQUEUES:
+        return "requeue", {"requeues": job.requeues + 1}
+    if failure_class == FailureClass.PREEMPTED and job.preemptions < settings.HANGAR_MAX_PREEMPTIONS:
+        return "preempted", {"preemptions": job.preemptions + 1}
+    return None
 
 
 def lease_from(now):
