@@ -349,6 +349,16 @@ class Pass:
         return True
 
 
+def mark_borrowed(running: list[RunningAttempt], projects: dict[int, ProjectLimits]) -> None:
+    """Which running attempts hold borrowed GPUs: per project, the oldest fill its quota
+    (`running` comes oldest first); the rest borrow, and are taken back first."""
+    used: dict[int, int] = defaultdict(int)
+    for a in running:
+        used[a.project_id] += a.gpus
+        quota = projects[a.project_id].quota if a.project_id in projects else 0
+        a.borrowed = used[a.project_id] > quota
+
+
 def never_fits(request: Request, nodes) -> Waiting | None:
     typed = [n for n in nodes if not request.gpu_type or n.gpu_model == request.gpu_type]
     if not typed:

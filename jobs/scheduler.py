@@ -37,6 +37,7 @@ from jobs.policy import (  # noqa: F401  (place and friends are this module's pu
     Request,
     RunningAttempt,
     estimate_starts,
+    mark_borrowed,
     place,
     plan,
 )
@@ -76,7 +77,7 @@ def free_gpus(nodes: list[Node]) -> list[FreeNode]:
 
 def running_attempts(now=None) -> list[RunningAttempt]:
     now = now or timezone.now()
-    rows = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).values(
+    rows = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).order_by("scheduled_at", "pk").values(
         "pk", "job_id", "node_id", "gpu_indices", "placement", "borrowed", "scheduled_at", "running_at",
         "preempt_requested_at", "cancel_requested_at", "job__project_id", "job__submitted_by_id",
         "job__priority", "job__preemptible", "job__max_runtime_seconds",
@@ -153,7 +154,9 @@ def schedule_pass() -> list[Attempt]:
         nodes = list(Node.objects.schedulable().select_for_update().order_by("pk"))
         if not nodes:
             return []
-        decided = plan(queued_jobs(), free_gpus(nodes), running_attempts(), project_limits())
+        projects, running = project_limits(), running_attempts()
+        mark_borrowed(running, projects)  # by the quotas as they are now
+        decided = plan(queued_jobs(), free_gpus(nodes), running, projects)
         placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
         for attempt_id, job_id in decided.preemptions.items():
             preempt(attempt_id, f"preempted to make room for job {job_id}")

@@ -9,6 +9,7 @@ from jobs.policy import (
     Request,
     RunningAttempt,
     estimate_starts,
+    mark_borrowed,
     plan,
 )
 
@@ -192,6 +193,14 @@ def test_a_class_that_may_not_preempt_waits():
 
     assert result.preemptions == {}
     assert result.waiting[9].code == "capacity"
+
+
+def test_the_oldest_attempts_fill_a_quota_and_the_rest_borrow():
+    busy = [running(i, [(1, [i, i + 4])], project_id=1) for i in range(3)]
+
+    mark_borrowed(busy, {1: ProjectLimits(quota=4)})
+
+    assert [a.borrowed for a in busy] == [False, False, True]
 
 
 def test_a_borrowing_job_does_not_preempt_work_within_its_projects_quota():
