@@ -34,7 +34,9 @@ class JobForm(forms.Form):
         help_text="Split like a shell line (quotes group words) and run as an argv list, never through a shell.",
     )
     gpus_per_node = forms.IntegerField(label="GPUs per node", initial=1)
-    nodes = forms.IntegerField(initial=1, required=False, help_text="More than one: one rank per node, all started at once.")
+    nodes = forms.IntegerField(
+        initial=1, required=False, help_text="More than one: one rank per node, all started at once."
+    )
     gpu_type = forms.ChoiceField(label="GPU type", required=False)
     priority = forms.ChoiceField(required=False, help_text="Blank: the project's default class.")
     environment = forms.ChoiceField(required=False)
