@@ -12,7 +12,8 @@ import time
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connection, transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from jobs.logparse import decode_line, severity_of
@@ -44,10 +45,12 @@ class LogWriter(threading.Thread):
     idle job's line is stored at once and a flood is stored in large inserts.
     """
 
-    def __init__(self, attempt: Attempt, lines: queue.Queue):
-        super().__init__(daemon=True, name=f"logs-{attempt.pk}")
+    def __init__(self, attempt: Attempt, lines: queue.Queue, rank: int = 0, node_id: int | None = None):
+        super().__init__(daemon=True, name=f"logs-{attempt.pk}-{rank}")
         self.attempt = attempt
         self.lines = lines
+        self.rank = rank
+        self.node_id = node_id if node_id is not None else attempt.node_id
         self.seq = 0
         self.open_streams = 0
         self.streams_done = threading.Event()
@@ -107,8 +110,8 @@ class LogWriter(threading.Thread):
         return LogLine(
             job_id=attempt.job_id,
             attempt_id=attempt.pk,
-            node_id=attempt.node_id,
-            rank=0,
+            node_id=self.node_id,
+            rank=self.rank,
             seq=self.seq,
             stream=stream,
             severity=severity,
@@ -119,10 +122,19 @@ class LogWriter(threading.Thread):
     def write(self, rows: list[LogLine]) -> None:
         for delay in (0.1, 0.5, 1, 2, 5, 10, 30):
             try:
-                if not Attempt.objects.filter(pk=self.attempt.pk, state__in=STARTED_ATTEMPT_STATES).exists():
-                    log.warning("attempt %s is no longer current: %d lines refused", self.attempt.pk, len(rows))
-                    return
-                LogLine.objects.bulk_create(rows)
+                with transaction.atomic():
+                    # Every rank's writer numbers its attempt's lines: the attempt row's lock
+                    # makes the next number theirs alone, so seq stays gapless across ranks.
+                    current = Attempt.objects.select_for_update().filter(
+                        pk=self.attempt.pk, state__in=STARTED_ATTEMPT_STATES
+                    )
+                    if not current.exists():
+                        log.warning("attempt %s is no longer current: %d lines refused", self.attempt.pk, len(rows))
+                        return
+                    last = LogLine.objects.filter(attempt_id=self.attempt.pk).aggregate(m=Max("seq"))["m"] or 0
+                    for number, row in enumerate(rows, start=last + 1):
+                        row.seq = number
+                    LogLine.objects.bulk_create(rows)
                 self.hint(rows[-1].seq)
                 return
             except DatabaseError as exc:

@@ -305,18 +305,24 @@ class Attempt(models.Model):
             return None
         return ((self.finished_at or timezone.now()) - self.running_at).total_seconds()
 
-    def begin(self) -> bool:
-        """The agent takes the attempt: scheduled -> preflight. False if it is no longer current."""
+    def begin(self, rank: int = 0) -> bool:
+        """An agent takes one rank; the first rank taken moves the attempt scheduled -> preflight.
+        False if that rank was taken already or the attempt is no longer current."""
         now = timezone.now()
         with transaction.atomic():
-            took = Attempt.objects.filter(pk=self.pk, state=AttemptState.SCHEDULED).update(
-                state=AttemptState.PREFLIGHT, started_at=now, lease_expires_at=lease_from(now)
-            )
-            if took:
+            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("state", "rank_status").first()
+            if row is None or row["state"] not in ACTIVE_ATTEMPT_STATES or str(rank) in row["rank_status"]:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): None}
+            update = {"rank_status": self.rank_status, "lease_expires_at": lease_from(now)}
+            if row["state"] == AttemptState.SCHEDULED:
+                update.update(state=AttemptState.PREFLIGHT, started_at=now)
                 Job.objects.filter(pk=self.job_id, state=JobState.SCHEDULED).update(state=JobState.PREFLIGHT)
-        return bool(took)
+            Attempt.objects.filter(pk=self.pk).update(**update)
+        return True
 
     def mark_running(self, pid: int) -> bool:
+        """A rank's command started. The first one moves the attempt (and job) to running."""
         now = timezone.now()
         with transaction.atomic():
             ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.PREFLIGHT).update(
@@ -324,7 +330,19 @@ class Attempt(models.Model):
             )
             if ok:
                 Job.objects.filter(pk=self.job_id, state=JobState.PREFLIGHT).update(state=JobState.RUNNING)
+            else:
+                ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).exists()
         return bool(ok)
+
+    def rank_succeeded(self, rank: int) -> bool:
+        """Record that one rank exited 0; True when every rank has, so the attempt succeeded."""
+        with transaction.atomic():
+            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("rank_status").first()
+            if row is None:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): 0}
+            Attempt.objects.filter(pk=self.pk).update(rank_status=self.rank_status)
+        return all(self.rank_status.get(str(r["rank"])) == 0 for r in self.ranks)
 
     def finish(
         self,
