@@ -225,6 +225,31 @@ class Job(models.Model):
         self.refresh_from_db()
         return done
 
+    def move(self, by, direction: str, movable: "JobQuerySet") -> bool:
+        """Swap places in the queue with the nearest queued job of the same class, above
+        ("up") or below ("down"), among `movable` (the jobs `by` may reorder)."""
+        with transaction.atomic():
+            me = Job.objects.select_for_update().filter(pk=self.pk, state=JobState.QUEUED).first()
+            if me is None:
+                return False
+            same = movable.select_for_update().filter(state=JobState.QUEUED, priority=me.priority).exclude(pk=me.pk)
+            if direction == "up":
+                near = same.filter(Q(order_at__lt=me.order_at) | Q(order_at=me.order_at, pk__lt=me.pk))
+                other = near.order_by("-order_at", "-pk").first()
+            else:
+                near = same.filter(Q(order_at__gt=me.order_at) | Q(order_at=me.order_at, pk__gt=me.pk))
+                other = near.order_by("order_at", "pk").first()
+            if other is None:
+                return False
+            mine, theirs = other.order_at, me.order_at
+            if mine == theirs:  # equal times order by id: step past the other one
+                mine = mine + timedelta(microseconds=-1 if direction == "up" else 1)
+            Job.objects.filter(pk=me.pk).update(order_at=mine)
+            Job.objects.filter(pk=other.pk).update(order_at=theirs)
+            JobEvent.objects.create(job=self, kind="moved", message=f"{direction} past job {other.pk} by {by}")
+        self.refresh_from_db()
+        return True
+
     def _cancel_attempt(self, reason: str) -> bool:
         attempt = self.attempts.filter(state__in=ACTIVE_ATTEMPT_STATES).first()
         if attempt is None:

@@ -9,6 +9,7 @@ after taking the lock, and a job leaves `queued` by a conditional update.
 
 import logging
 from collections import defaultdict
+from datetime import timedelta
 
 from django.db import transaction
 from django.db.models import Case, IntegerField, Max, Value, When
@@ -245,3 +246,32 @@ def request_pass() -> None:
     from jobs.tasks import schedule
 
     transaction.on_commit(lambda: schedule.apply_async(queue="hangar.scheduler"))
+
+
+# --- the queue as users see it ----------------------------------------------------
+
+
+def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
+    """Every queued job in order with why it waits and when it should start, read
+    without locks (a dry run of the next pass); and the reasons by job id."""
+    now = now or timezone.now()
+    nodes = list(Node.objects.schedulable().order_by("pk"))
+    fleet, running, projects = free_gpus(nodes), running_attempts(now), project_limits()
+    mark_borrowed(running, projects)
+    jobs = queued_jobs()
+    decided = plan(jobs, fleet, running, projects)
+    starts = estimate_starts(jobs, free_gpus(nodes), running)
+    starting = {p.job_id for p in decided.placements}
+    rows = []
+    for position, job in enumerate(jobs, start=1):
+        waiting = decided.waiting.get(job.job_id)
+        if job.job_id in starting:
+            reason = {"code": "starting", "message": "fits now: starts at the next scheduling pass"}
+        elif waiting is not None:
+            reason = {"code": waiting.code, "message": waiting.message}
+        else:
+            reason = {"code": "capacity", "message": "waiting for free GPUs"}
+        seconds = 0.0 if job.job_id in starting else starts.get(job.job_id)
+        estimate = None if seconds is None else now + timedelta(seconds=seconds)
+        rows.append({"job_id": job.job_id, "position": position, "reason": reason, "estimated_start": estimate})
+    return rows, {r["job_id"]: r for r in rows}

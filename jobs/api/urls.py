@@ -1,7 +1,8 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from jobs.api.views import JobViewSet
+from jobs.api.views import JobViewSet, QueueView
 
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="api-job")
-urlpatterns = router.urls
+urlpatterns = [path("queue/", QueueView.as_view(), name="api-queue"), *router.urls]
