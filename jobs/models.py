@@ -133,6 +133,21 @@ class Environment(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    @classmethod
+    def advertise(cls, node, names: list[str]) -> list[str]:
+        """Set the environments a node can run (besides those that run everywhere);
+        returns the names that are not defined, which are ignored."""
+        known = {e.name: e for e in cls.objects.filter(name__in=names)}
+        with transaction.atomic():
+            for environment in cls.objects.filter(nodes=node).exclude(name__in=list(known)):
+                environment.nodes.remove(node)
+            for environment in known.values():
+                environment.nodes.add(node)
+        from jobs.scheduler import request_pass
+
+        request_pass()  # what the node can run changed, and it may be new: place work now
+        return sorted(set(names) - set(known))
+
 
 class JobQuerySet(models.QuerySet):
     def visible_to(self, user) -> "JobQuerySet":
