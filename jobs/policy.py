@@ -118,14 +118,12 @@ class FleetIndex:
     def __init__(self, nodes: Iterable[FreeNode]):
         self.nodes = {n.node_id: n for n in nodes}
         self.free = {n.node_id: sorted(n.free) for n in self.nodes.values()}
-        self.buckets: dict[str, list[set[int]]] = {}
+        size: dict[str, int] = defaultdict(int)
         for n in self.nodes.values():
-            self.buckets.setdefault(n.gpu_model, [set() for _ in range(self._size(n.gpu_model) + 1)])
+            size[n.gpu_model] = max(size[n.gpu_model], n.gpu_count, len(n.free))
+        self.buckets: dict[str, list[set[int]]] = {model: [set() for _ in range(c + 1)] for model, c in size.items()}
         for n in self.nodes.values():
             self.buckets[n.gpu_model][len(self.free[n.node_id])].add(n.node_id)
-
-    def _size(self, model: str) -> int:
-        return max(n.gpu_count for n in self.nodes.values() if n.gpu_model == model)
 
     def models(self, request: Request) -> list[str]:
         return [request.gpu_type] if request.gpu_type else sorted(self.buckets)

@@ -83,11 +83,11 @@ def running_attempts(now=None) -> list[RunningAttempt]:
         "preempt_requested_at", "cancel_requested_at", "job__project_id", "job__submitted_by_id",
         "job__priority", "job__preemptible", "job__max_runtime_seconds",
     )  # fmt: skip
-    out = []
+    out, classes = [], priority_classes()
     for r in rows:
         started = r["running_at"] or r["scheduled_at"]
         elapsed = max(0.0, (now - started).total_seconds())
-        cls = priority_class(r["job__priority"])
+        cls = classes.get(r["job__priority"]) or priority_class(r["job__priority"])
         out.append(
             RunningAttempt(
                 attempt_id=r["pk"],
@@ -121,9 +121,9 @@ def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
         "pk", "project_id", "submitted_by_id", "priority", "gpus_per_node", "nodes", "gpu_type",
         "environment__name", "max_runtime_seconds",
     )[:limit]  # fmt: skip
-    out = []
+    out, classes = [], priority_classes()
     for r in rows:
-        cls = priority_class(r["priority"])
+        cls = classes.get(r["priority"]) or priority_class(r["priority"])
         request = Request(r["gpus_per_node"], r["gpu_type"], r["nodes"], r["environment__name"] or "")
         out.append(
             QueuedJob(
