@@ -448,11 +448,18 @@ class Attempt(models.Model):
         cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_START_TIMEOUT_SECONDS)
         stale = list(cls.objects.filter(state=AttemptState.SCHEDULED, scheduled_at__lt=cutoff))
         reason = f"no agent started it within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
-        return [
+        ended = [
             a
             for a in stale
             if a.finish(AttemptState.LOST, FailureClass.INFRA, reason, from_states=[AttemptState.SCHEDULED])
         ]
+        # A gang whose other ranks started but one never did would wait for it until its max runtime.
+        rows = cls.objects.filter(state__in=STARTED_ATTEMPT_STATES, started_at__lt=cutoff).values_list(
+            "pk", "rank_status", "placement"
+        )
+        partial = cls.objects.filter(pk__in=[pk for pk, status, ranks in rows if len(status) < len(ranks)])
+        missing = f"a rank was not started by its node's agent within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
+        return ended + [a for a in partial if a.finish(AttemptState.LOST, FailureClass.INFRA, missing)]
 
 
 def requeue_for(failure_class: str, job: Job) -> tuple[str, dict] | None:

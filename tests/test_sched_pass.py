@@ -223,3 +223,25 @@ def test_an_outsider_cannot_submit_to_the_project(project, other_project, outsid
 
     assert response.status_code == 400
     assert "no project 'vision' that you can submit to" in response.json()["message"]
+
+
+def test_a_gang_whose_rank_never_started_is_ended_and_requeued(project, owner, settings):
+    from datetime import timedelta
+
+    from jobs.scheduler import reconcile
+
+    a, b = make_node("node-a"), make_node("node-b")
+    job = make_job(project, owner, nodes=2)
+    long_ago = timezone.now() - timedelta(seconds=settings.HANGAR_START_TIMEOUT_SECONDS + 5)
+    placement = [{"rank": 0, "node_id": a.pk, "gpus": [0]}, {"rank": 1, "node_id": b.pk, "gpus": [0]}]
+    attempt = make_attempt(
+        job, a, AttemptState.RUNNING, placement=placement, rank_status={"0": None}, started_at=long_ago,
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+    )  # fmt: skip
+
+    reconcile()
+
+    attempt.refresh_from_db()
+    assert (attempt.state, attempt.failure_class) == (AttemptState.LOST, FailureClass.INFRA)
+    assert "a rank was not started" in attempt.reason
+    assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
