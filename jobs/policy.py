@@ -204,6 +204,13 @@ class Reservation:
             return True
         return self.spare[node_id] >= gpus
 
+    def use(self, ranks: list[tuple[int, list[int]]], runtime: float) -> None:
+        """A job started beside this reservation: what it holds past the start is spare no more."""
+        if runtime > self.start:
+            for node_id, gpus in ranks:
+                if node_id in self.spare:
+                    self.spare[node_id] -= len(gpus)
+
 
 class Pass:
     def __init__(self, nodes, running, projects):
@@ -270,6 +277,8 @@ class Pass:
         if request not in self.full:
             ranks = place_gang(request, self.index, self.backfill_check(job))
             if ranks is not None:
+                for reservation in self.reservations:
+                    reservation.use(ranks, job.runtime)
                 self.plan.placements.append(Placement(job.job_id, ranks, borrowing))
                 self.runtimes[job.job_id] = job.runtime
                 self.count(job.project_id, job.user_id, request.total)

@@ -262,6 +262,16 @@ def test_backfill_may_use_gpus_the_big_job_will_not_need():
     assert placed(result) == {2: [(2, [0])]}
 
 
+def test_two_backfilled_jobs_do_not_share_one_spare_gpu():
+    busy = [running(1, [(1, [0, 1, 2, 3, 4])], rank=NORMAL, remaining=3600)]
+    fleet = [node(1, [5, 6, 7])]  # at the big job's start: 8 free, it needs 7, one spare
+
+    result = plan([job(1, gpus=7), job(2, gpus=1, runtime=7200), job(3, gpus=1, runtime=7200)], fleet, busy)
+
+    assert list(placed(result)) == [2]
+    assert result.waiting[3].code == "reserved"
+
+
 def test_estimated_starts_follow_the_queue_and_running_work():
     busy = [running(1, [(1, [0, 1, 2, 3])], remaining=600), running(2, [(1, [4, 5, 6, 7])], remaining=1200)]
     jobs = [job(1, gpus=4, runtime=300), job(2, gpus=8, runtime=100), job(3, gpus=2, gpu_type="B300")]
