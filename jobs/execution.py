@@ -270,7 +270,7 @@ class Runner:
         if code == 0:
             self.system("exited with code 0")
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
-        reason = describe_exit(returncode)
+        reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         self.system(reason, error=True)
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
 
@@ -313,6 +313,14 @@ def exit_status(returncode: int | None) -> int | None:
     if returncode is None:
         return None
     return 128 - returncode if returncode < 0 else returncode
+
+
+def abort_hint(returncode: int, world_size: int) -> str:
+    """torch.distributed on gloo can abort (SIGABRT) at exit after the work is done
+    when destroy_process_group() runs without a barrier first (see TRAPS.md)."""
+    if world_size > 1 and returncode in (-signal.SIGABRT, 128 + signal.SIGABRT):
+        return "; if the rank had finished its work, call dist.barrier() before dist.destroy_process_group()"
+    return ""
 
 
 def describe_exit(returncode: int) -> str:

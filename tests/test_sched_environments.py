@@ -79,3 +79,11 @@ def test_ranks_get_torchrun_style_variables(project, owner):
     assert (env["WORLD_SIZE"], env["RANK"], env["NODE_RANK"], env["LOCAL_RANK"]) == ("2", "1", "1", "0")
     assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(29500 + attempt.pk % 1000)
     assert (env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("2", "1", "4")
+
+
+def test_a_rank_that_aborts_at_exit_gets_the_barrier_hint():
+    from jobs.execution import abort_hint
+
+    assert "dist.barrier()" in abort_hint(-6, world_size=2)
+    assert "dist.barrier()" in abort_hint(134, world_size=2)
+    assert abort_hint(-6, world_size=1) == "" and abort_hint(1, world_size=2) == ""
