@@ -132,3 +132,18 @@ def test_the_queue_page_hides_other_projects(client, project, owner, outsider, o
 
     assert "secret-run" not in client.get("/jobs/queue/").content.decode()
     assert client.post(f"/jobs/{job.pk}/move/", {"direction": "up"}).status_code == 404
+
+
+def test_the_job_page_shows_every_ranks_node(client, project, owner, node):
+    b = make_node("node-b")
+    job = make_job(project, owner, nodes=2)
+    placement = [
+        {"rank": 0, "node_id": node.pk, "node": "node-a", "gpus": [0]},
+        {"rank": 1, "node_id": b.pk, "node": "node-b", "gpus": [3]},
+    ]
+    make_attempt(job, node, AttemptState.RUNNING, placement=placement)
+    client.force_login(owner)
+
+    body = client.get(f"/jobs/{job.pk}/").content.decode()
+
+    assert "rank 0: node-a" in body and "rank 1: node-b" in body
