@@ -1,9 +1,14 @@
-"""Running one attempt on this node: the agent side of a job.
+"""Running one rank of an attempt on this node: the agent side of a job.
 
 A Runner starts the command as a real process group, streams its output into
-the database line by line (batched), watches for cancellation, the runtime
-limit and the loss of its lease, and reports the exit. Every write carries the
-attempt id and is refused once the attempt is no longer current.
+the database line by line (batched), watches for cancellation, preemption, the
+runtime limit and the loss of its lease, and reports the exit. Every write
+carries the attempt id and is refused once the attempt is no longer current.
+
+A multi-node attempt has one Runner per rank, each on its own node's agent,
+started with torchrun-style variables. The attempt succeeds when every rank
+exited 0; the first rank that fails ends it, and the other ranks, finding it
+ended when they renew its lease, stop their processes.
 """
 
 import logging
@@ -20,6 +25,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
+from jobs.environments import command_for
 from jobs.logingest import LogWriter, read_lines
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
 from portal.models import volume_env_name
@@ -39,15 +45,18 @@ WATCH_SECONDS = 0.25
 CHECK_SECONDS = 0.5
 
 
-def run_attempt(attempt_id: int) -> None:
-    """Entry point of the agent's Celery task."""
+def run_attempt(attempt_id: int, rank: int = 0) -> None:
+    """Entry point of the agent's Celery task: run one rank of an attempt."""
     close_old_connections()
     try:
-        attempt = Attempt.objects.select_related("job", "node", "job__project").filter(pk=attempt_id).first()
-        if attempt is None or not attempt.begin():
-            log.info("attempt %s is no longer current; nothing to run", attempt_id)
+        attempt = Attempt.objects.select_related("job", "node", "job__project", "job__environment").filter(
+            pk=attempt_id
+        )
+        attempt = attempt.first()
+        if attempt is None or not attempt.begin(rank):
+            log.info("attempt %s rank %s is taken or no longer current; nothing to run", attempt_id, rank)
             return
-        runner = Runner(attempt)
+        runner = Runner(attempt, rank)
         with _running_lock:
             RUNNING[attempt.pk] = runner
         try:
@@ -75,22 +84,43 @@ class Outcome:
 
 
 class Runner:
-    def __init__(self, attempt: Attempt):
+    def __init__(self, attempt: Attempt, rank: int = 0):
+        from fleet.models import Node
+
         self.attempt = attempt
         self.job = attempt.job
+        self.rank = rank
+        placement = attempt.ranks[rank]
+        self.node = (
+            attempt.node if placement["node_id"] == attempt.node_id else Node.objects.get(pk=placement["node_id"])
+        )
+        self.gpus: list[int] = placement["gpus"]
+        # The agent's telemetry reads the GPUs a runner holds from its attempt.
+        attempt.gpu_indices = self.gpus
         self.lines: queue.Queue = queue.Queue()
-        self.writer = LogWriter(attempt, self.lines)
+        self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
         self.stop_requested: Outcome | None = None
         self.current = True
 
+    @property
+    def world_size(self) -> int:
+        return len(self.attempt.ranks)
+
     def run(self) -> None:
         self.writer.start()
-        self.system(f"attempt {self.attempt.number} on node {self.attempt.node.name}, GPUs {self.gpu_list() or 'none'}")
+        where = f"on node {self.node.name}, GPUs {self.gpu_list() or 'none'}"
+        rank = f" rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
+        self.system(f"attempt {self.attempt.number}{rank} {where}")
         outcome, exit_code = self.preflight_and_execute()
+        others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
+        if others_running and not self.attempt.rank_succeeded(self.rank):
+            self.system(f"rank {self.rank} done; the attempt ends when every rank has")
+            self.writer.close()
+            return
         self.writer.close()
         if not self.current:
-            log.warning("attempt %s lost its lease; its end is not recorded by this agent", self.attempt.pk)
+            log.warning("attempt %s ended elsewhere or lost its lease; rank %s stopped", self.attempt.pk, self.rank)
             return
         if not self.attempt.finish(outcome.state, outcome.failure_class, outcome.reason, exit_code):
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
@@ -98,11 +128,11 @@ class Runner:
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
         from fleet.preflight import failed_checks
 
-        failures = failed_checks(self.attempt.node, self.attempt.gpu_indices, self.job.gpu_type)
+        failures = failed_checks(self.node, self.gpus, self.job.gpu_type)
         if failures:
             reason = "preflight failed: " + "; ".join(failures)
             self.system(reason, error=True)
-            self.attempt.node.cordon(None, reason)
+            self.node.cordon(None, reason)
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         try:
             self.proc = self.start_process()
@@ -117,7 +147,7 @@ class Runner:
         return self.watch()
 
     def gpu_list(self) -> str:
-        return ",".join(str(i) for i in self.attempt.gpu_indices)
+        return ",".join(str(i) for i in self.gpus)
 
     def job_env(self) -> dict[str, str]:
         job, attempt = self.job, self.attempt
@@ -131,19 +161,29 @@ class Runner:
             HANGAR_JOB_ID=str(job.pk),
             HANGAR_ATTEMPT=str(attempt.number),
             HANGAR_PROJECT=job.project.slug,
-            HANGAR_NODE=attempt.node.name,
-            HANGAR_CHECKPOINT_DIR=str(self.workdir() / "checkpoints"),
+            HANGAR_NODE=self.node.name,
+            HANGAR_CHECKPOINT_DIR=str(job.checkpoint_dir()),
+            **rank_env(attempt, self.rank, self.master_addr()),
         )
         return env
+
+    def master_addr(self) -> str:
+        if self.world_size == 1:
+            return "127.0.0.1"
+        first = self.attempt.node
+        return first.hostname or first.name
 
     def workdir(self) -> Path:
         return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
 
     def start_process(self) -> subprocess.Popen:
-        (self.workdir() / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.job.checkpoint_dir().mkdir(parents=True, exist_ok=True)
+        argv, env = command_for(
+            self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}"
+        )
         proc = subprocess.Popen(
-            self.job.command,
-            env=self.job_env(),
+            argv,
+            env=env,
             cwd=self.workdir(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -184,13 +224,21 @@ class Runner:
             if not renewed:
                 self.current = False  # ended elsewhere (lease expired, reconciled): stop at once
                 return True
-            cancel = Attempt.objects.filter(pk=self.attempt.pk).values_list("cancel_requested_at", "reason").first()
+            asked = (
+                Attempt.objects.filter(pk=self.attempt.pk)
+                .values_list("cancel_requested_at", "preempt_requested_at", "reason")
+                .first()
+            )
         except DatabaseError as exc:
             log.warning("attempt %s: cannot reach the database to renew its lease: %s", self.attempt.pk, exc)
             close_old_connections()
             return False
-        if cancel and cancel[0] is not None and self.stop_requested is None:
-            self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, cancel[1] or "cancelled")
+        if asked and self.stop_requested is None:
+            cancel_at, preempt_at, reason = asked
+            if cancel_at is not None:
+                self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, reason or "cancelled")
+            elif preempt_at is not None:
+                self.request_stop(AttemptState.PREEMPTED, FailureClass.PREEMPTED, reason or "preempted")
         return True
 
     def request_stop(self, state: str, failure_class: str, reason: str) -> None:
@@ -199,8 +247,11 @@ class Runner:
 
     def terminate(self) -> tuple[Outcome, int | None]:
         """SIGTERM the whole process group, wait the grace period, then SIGKILL it."""
-        grace = settings.HANGAR_KILL_GRACE_SECONDS
-        outcome = self.stop_requested or Outcome(AttemptState.LOST, FailureClass.INFRA, "lease lost")
+        outcome = self.stop_requested or Outcome(
+            AttemptState.LOST, FailureClass.INFRA, "the attempt ended elsewhere (another rank failed) or lost its lease"
+        )
+        preempted = outcome.failure_class == FailureClass.PREEMPTED
+        grace = settings.HANGAR_PREEMPT_GRACE_SECONDS if preempted else settings.HANGAR_KILL_GRACE_SECONDS
         self.system(f"stopping: {outcome.reason} (SIGTERM, then SIGKILL after {grace:g}s)", error=True)
         signal_group(self.proc.pid, signal.SIGTERM)
         try:
@@ -222,12 +273,35 @@ class Runner:
         if code == 0:
             self.system("exited with code 0")
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
-        reason = describe_exit(returncode)
+        reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         self.system(reason, error=True)
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
 
     def system(self, text: str, error: bool = False) -> None:
         self.writer.system(f"[hangar] {text}", error)
+
+
+def rank_env(attempt: Attempt, rank: int, master_addr: str) -> dict[str, str]:
+    """What torch.distributed (env://) and torchrun expect: one rank per node."""
+    world, port = str(len(attempt.ranks)), str(settings.HANGAR_MASTER_PORT_BASE + attempt.pk % 1000)
+    nproc = str(max(1, attempt.job.gpus_per_node))
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": port,
+        "WORLD_SIZE": world,
+        "RANK": str(rank),
+        "NODE_RANK": str(rank),
+        "GROUP_RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "HANGAR_RANK": str(rank),
+        # torchrun reads its options from PET_* when they are not on its command line.
+        "PET_NNODES": world,
+        "PET_NODE_RANK": str(rank),
+        "PET_MASTER_ADDR": master_addr,
+        "PET_MASTER_PORT": port,
+        "PET_NPROC_PER_NODE": nproc,
+    }
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -242,6 +316,14 @@ def exit_status(returncode: int | None) -> int | None:
     if returncode is None:
         return None
     return 128 - returncode if returncode < 0 else returncode
+
+
+def abort_hint(returncode: int, world_size: int) -> str:
+    """torch.distributed on gloo can abort (SIGABRT) at exit after the work is done
+    when destroy_process_group() runs without a barrier first (see TRAPS.md)."""
+    if world_size > 1 and returncode in (-signal.SIGABRT, 128 + signal.SIGABRT):
+        return "; if the rank had finished its work, call dist.barrier() before dist.destroy_process_group()"
+    return ""
 
 
 def describe_exit(returncode: int) -> str:

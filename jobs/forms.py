@@ -4,7 +4,7 @@ from django import forms
 from django.conf import settings
 
 from fleet.models import Node
-from jobs.models import Priority
+from jobs.models import Environment, priority_classes
 from portal.models import Project, Role
 
 # Where an API field's error shows on the form.
@@ -17,6 +17,9 @@ API_TO_FORM = {
     "gpus_per_node": "gpus_per_node",
     "gpu_type": "gpu_type",
     "priority": "priority",
+    "nodes": "nodes",
+    "environment": "environment",
+    "max_retries": "max_retries",
     "max_runtime_seconds": "max_runtime_seconds",
 }
 
@@ -36,9 +39,16 @@ class JobForm(forms.Form):
         widget=forms.TextInput(attrs={"placeholder": "python train.py --epochs 3", "class": "mono"}),
         help_text="Split like a shell line (quotes group words) and run as an argv list, never through a shell.",
     )
-    gpus_per_node = forms.IntegerField(label="GPUs", initial=1)
+    gpus_per_node = forms.IntegerField(label="GPUs per node", initial=1)
+    nodes = forms.IntegerField(
+        initial=1, required=False, help_text="More than one: one rank per node, all started at once."
+    )
     gpu_type = forms.ChoiceField(label="GPU type", required=False)
-    priority = forms.ChoiceField(choices=Priority.choices, initial=Priority.NORMAL)
+    priority = forms.ChoiceField(required=False, help_text="Blank: the project's default class.")
+    environment = forms.ChoiceField(required=False)
+    max_retries = forms.IntegerField(
+        label="Retries", initial=0, required=False, help_text="Times to run it again if the command itself fails."
+    )
     max_runtime_seconds = forms.IntegerField(
         label="Max runtime (seconds)",
         initial=settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
@@ -61,6 +71,9 @@ class JobForm(forms.Form):
         self.fields["project"].choices = [(p.slug, p.name) for p in Project.objects.with_role(user, Role.MEMBER)]
         types = sorted(set(Node.objects.values_list("gpu_model", flat=True)))
         self.fields["gpu_type"].choices = [("", "any")] + [(t, t) for t in types]
+        self.fields["priority"].choices = [("", "project default")] + [(n, n) for n in priority_classes()]
+        envs = Environment.objects.values_list("name", "description")
+        self.fields["environment"].choices = [("", "host (none)")] + [(n, f"{n}: {d}" if d else n) for n, d in envs]
 
     def clean_command(self) -> list[str]:
         try:

@@ -5,6 +5,7 @@ conditional update on the current state, so a transition applied twice (a
 retried message, two schedulers, a late agent) takes effect once.
 """
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -36,6 +37,7 @@ class AttemptState(models.TextChoices):
     SUCCEEDED = "succeeded", "Succeeded"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
+    PREEMPTED = "preempted", "Preempted"
     LOST = "lost", "Lost"
 
     @property
@@ -52,6 +54,7 @@ STATE_COLOURS = {
     "failed": "red",
     "cancelled": "orange",
     "lost": "red",
+    "preempted": "orange",
 }
 
 FINAL_JOB_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
@@ -68,6 +71,8 @@ class FailureClass(models.TextChoices):
 
 
 class Priority(models.TextChoices):
+    """The built-in priority classes; HANGAR_PRIORITY_CLASSES may define others."""
+
     URGENT = "urgent", "Urgent"
     HIGH = "high", "High"
     NORMAL = "normal", "Normal"
@@ -77,7 +82,71 @@ class Priority(models.TextChoices):
     @property
     def rank(self) -> int:
         """Higher goes first."""
-        return {"urgent": 40, "high": 30, "normal": 20, "low": 10, "scavenger": 0}[self.value]
+        return priority_class(self.value).rank
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    rank: int
+    may_preempt: bool = False
+    preemptible: bool = False
+
+
+def priority_classes() -> dict[str, PriorityClass]:
+    """The configured classes (HANGAR_PRIORITY_CLASSES), highest rank first."""
+    configured = settings.HANGAR_PRIORITY_CLASSES
+    ordered = sorted(configured.items(), key=lambda item: -item[1]["rank"])
+    return {name: PriorityClass(name, **fields) for name, fields in ordered}
+
+
+def priority_class(name: str) -> PriorityClass:
+    """A class by name; a name no longer configured ranks lowest and is preemptible."""
+    return priority_classes().get(name) or PriorityClass(name, rank=-1, preemptible=True)
+
+
+class EnvironmentKind(models.TextChoices):
+    HOST = "host", "Host interpreter or virtualenv"
+    CONTAINER = "container", "Container image (docker run --gpus)"
+
+
+class Environment(models.Model):
+    """Where a job's command runs: a host interpreter/virtualenv, or a container image.
+
+    A node advertises the environments it can run (`manage.py agent --environments`);
+    one marked `everywhere` runs on every node.
+    """
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    kind = models.CharField(max_length=16, choices=EnvironmentKind.choices, default=EnvironmentKind.HOST)
+    path = models.CharField(
+        max_length=500, blank=True, help_text="Host kind: a virtualenv or prefix; its bin/ goes first on PATH."
+    )
+    image = models.CharField(max_length=300, blank=True, help_text="Container kind: the image to run.")
+    everywhere = models.BooleanField(default=False, help_text="Every node can run it.")
+    nodes = models.ManyToManyField("fleet.Node", blank=True, related_name="environments")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def advertise(cls, node, names: list[str]) -> list[str]:
+        """Set the environments a node can run (besides those that run everywhere);
+        returns the names that are not defined, which are ignored."""
+        known = {e.name: e for e in cls.objects.filter(name__in=names)}
+        with transaction.atomic():
+            for environment in cls.objects.filter(nodes=node).exclude(name__in=list(known)):
+                environment.nodes.remove(node)
+            for environment in known.values():
+                environment.nodes.add(node)
+        from jobs.scheduler import request_pass
+
+        request_pass()  # what the node can run changed, and it may be new: place work now
+        return sorted(set(names) - set(known))
 
 
 class JobQuerySet(models.QuerySet):
@@ -94,8 +163,16 @@ class Job(models.Model):
     gpus_per_node = models.PositiveSmallIntegerField(default=1)
     nodes = models.PositiveSmallIntegerField(default=1)
     gpu_type = models.CharField(max_length=64, blank=True, help_text="Blank: any GPU type.")
-    priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.NORMAL)
+    priority = models.CharField(max_length=32, default=Priority.NORMAL, help_text="A class of HANGAR_PRIORITY_CLASSES.")
+    preemptible = models.BooleanField(
+        null=True, blank=True, help_text="Blank: as its priority class says. True makes any class preemptible."
+    )
+    environment = models.ForeignKey(Environment, null=True, blank=True, on_delete=models.PROTECT, related_name="jobs")
     max_runtime_seconds = models.PositiveIntegerField()
+    max_retries = models.PositiveSmallIntegerField(default=0, help_text="Retries after the command itself failed.")
+    retries = models.PositiveSmallIntegerField(default=0, help_text="Retries used (failure class user).")
+    preemptions = models.PositiveIntegerField(default=0, help_text="Times preempted and requeued.")
+    order_at = models.DateTimeField(default=timezone.now, help_text="Place within its priority class in the queue.")
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     queued_at = models.DateTimeField(default=timezone.now)
@@ -135,6 +212,18 @@ class Job(models.Model):
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @property
+    def priority_class(self) -> PriorityClass:
+        return priority_class(self.priority)
+
+    @property
+    def is_preemptible(self) -> bool:
+        return bool(self.preemptible) or self.priority_class.preemptible
+
+    def checkpoint_dir(self):
+        """Kept across attempts, so a preempted or retried job can resume."""
+        return settings.HANGAR_JOB_WORKDIR / str(self.pk) / "checkpoints"
+
     def latest_attempt(self) -> "Attempt | None":
         return self.attempts.order_by("-number").first()
 
@@ -155,8 +244,36 @@ class Job(models.Model):
             if done:
                 AuditEvent.record(by, "job.cancel", self, reason=reason)
                 JobEvent.objects.create(job=self, kind="cancel", message=reason)
+                from jobs.scheduler import request_pass
+
+                request_pass()  # a waiting job may have held back smaller ones
         self.refresh_from_db()
         return done
+
+    def move(self, by, direction: str, movable: "JobQuerySet") -> bool:
+        """Swap places in the queue with the nearest queued job of the same class, above
+        ("up") or below ("down"), among `movable` (the jobs `by` may reorder)."""
+        with transaction.atomic():
+            me = Job.objects.select_for_update().filter(pk=self.pk, state=JobState.QUEUED).first()
+            if me is None:
+                return False
+            same = movable.select_for_update().filter(state=JobState.QUEUED, priority=me.priority).exclude(pk=me.pk)
+            if direction == "up":
+                near = same.filter(Q(order_at__lt=me.order_at) | Q(order_at=me.order_at, pk__lt=me.pk))
+                other = near.order_by("-order_at", "-pk").first()
+            else:
+                near = same.filter(Q(order_at__gt=me.order_at) | Q(order_at=me.order_at, pk__gt=me.pk))
+                other = near.order_by("order_at", "pk").first()
+            if other is None:
+                return False
+            mine, theirs = other.order_at, me.order_at
+            if mine == theirs:  # equal times order by id: step past the other one
+                mine = mine + timedelta(microseconds=-1 if direction == "up" else 1)
+            Job.objects.filter(pk=me.pk).update(order_at=mine)
+            Job.objects.filter(pk=other.pk).update(order_at=theirs)
+            JobEvent.objects.create(job=self, kind="moved", message=f"{direction} past job {other.pk} by {by}")
+        self.refresh_from_db()
+        return True
 
     def _cancel_attempt(self, reason: str) -> bool:
         attempt = self.attempts.filter(state__in=ACTIVE_ATTEMPT_STATES).first()
@@ -172,7 +289,10 @@ class Job(models.Model):
 
 
 class Attempt(models.Model):
-    """One try of a job on a concrete placement (a node and GPU indices)."""
+    """One try of a job on a concrete placement: one rank per node, each with its GPU indices.
+
+    `node` and `gpu_indices` are rank 0's; `placement` lists every rank's.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveSmallIntegerField()
@@ -190,6 +310,10 @@ class Attempt(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     pid = models.IntegerField(null=True, blank=True)
+    placement = models.JSONField(default=list, blank=True, help_text='[{"rank", "node_id", "node", "gpus"}], by rank.')
+    borrowed = models.BooleanField(default=False, help_text="Placed on GPUs beyond its project's quota.")
+    preempt_requested_at = models.DateTimeField(null=True, blank=True)
+    rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
 
     class Meta:
         ordering = ["job", "number"]
@@ -213,6 +337,13 @@ class Attempt(models.Model):
     def is_live(self) -> bool:
         return self.state in ACTIVE_ATTEMPT_STATES
 
+    @property
+    def ranks(self) -> list[dict]:
+        """Every rank's node and GPUs (a one-node attempt of old has no placement stored)."""
+        if self.placement:
+            return self.placement
+        return [{"rank": 0, "node_id": self.node_id, "node": None, "gpus": self.gpu_indices}]
+
     def preflight_seconds(self) -> float | None:
         if self.started_at is None:
             return None
@@ -224,18 +355,24 @@ class Attempt(models.Model):
             return None
         return ((self.finished_at or timezone.now()) - self.running_at).total_seconds()
 
-    def begin(self) -> bool:
-        """The agent takes the attempt: scheduled -> preflight. False if it is no longer current."""
+    def begin(self, rank: int = 0) -> bool:
+        """An agent takes one rank; the first rank taken moves the attempt scheduled -> preflight.
+        False if that rank was taken already or the attempt is no longer current."""
         now = timezone.now()
         with transaction.atomic():
-            took = Attempt.objects.filter(pk=self.pk, state=AttemptState.SCHEDULED).update(
-                state=AttemptState.PREFLIGHT, started_at=now, lease_expires_at=lease_from(now)
-            )
-            if took:
+            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("state", "rank_status").first()
+            if row is None or row["state"] not in ACTIVE_ATTEMPT_STATES or str(rank) in row["rank_status"]:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): None}
+            update = {"rank_status": self.rank_status, "lease_expires_at": lease_from(now)}
+            if row["state"] == AttemptState.SCHEDULED:
+                update.update(state=AttemptState.PREFLIGHT, started_at=now)
                 Job.objects.filter(pk=self.job_id, state=JobState.SCHEDULED).update(state=JobState.PREFLIGHT)
-        return bool(took)
+            Attempt.objects.filter(pk=self.pk).update(**update)
+        return True
 
     def mark_running(self, pid: int) -> bool:
+        """A rank's command started. The first one moves the attempt (and job) to running."""
         now = timezone.now()
         with transaction.atomic():
             ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.PREFLIGHT).update(
@@ -243,7 +380,19 @@ class Attempt(models.Model):
             )
             if ok:
                 Job.objects.filter(pk=self.job_id, state=JobState.PREFLIGHT).update(state=JobState.RUNNING)
+            else:
+                ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).exists()
         return bool(ok)
+
+    def rank_succeeded(self, rank: int) -> bool:
+        """Record that one rank exited 0; True when every rank has, so the attempt succeeded."""
+        with transaction.atomic():
+            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("rank_status").first()
+            if row is None:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): 0}
+            Attempt.objects.filter(pk=self.pk).update(rank_status=self.rank_status)
+        return all(self.rank_status.get(str(r["rank"])) == 0 for r in self.ranks)
 
     def finish(
         self,
@@ -277,20 +426,19 @@ class Attempt(models.Model):
         job = Job.objects.select_for_update().get(pk=self.job_id)
         if job.is_final:
             return
-        requeue = self.failure_class == FailureClass.INFRA and job.requeues < settings.HANGAR_MAX_REQUEUES
         if self.state == AttemptState.CANCELLED or self._cancel_was_requested():
-            update = {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED}
-        elif requeue:
-            update = {"state": JobState.QUEUED, "queued_at": now, "requeues": job.requeues + 1}
+            kind, update = JobState.CANCELLED, {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED}
         elif self.state == AttemptState.SUCCEEDED:
-            update = {"state": JobState.SUCCEEDED, "failure_class": ""}
+            kind, update = JobState.SUCCEEDED, {"state": JobState.SUCCEEDED, "failure_class": ""}
+        elif requeue := requeue_for(self.failure_class, job):
+            kind, update = requeue
+            update.update(state=JobState.QUEUED, queued_at=now)
         else:
-            update = {"state": JobState.FAILED, "failure_class": self.failure_class}
+            kind, update = JobState.FAILED, {"state": JobState.FAILED, "failure_class": self.failure_class}
         if update["state"] != JobState.QUEUED:
             update.update(finished_at=now, exit_code=self.exit_code)
         update["state_reason"] = self.reason
         Job.objects.filter(pk=job.pk).update(**update)
-        kind = "requeue" if requeue else update["state"]
         JobEvent.objects.create(job_id=job.pk, attempt=self, kind=kind, message=self.reason)
 
     def _cancel_was_requested(self) -> bool:
@@ -310,11 +458,31 @@ class Attempt(models.Model):
         cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_START_TIMEOUT_SECONDS)
         stale = list(cls.objects.filter(state=AttemptState.SCHEDULED, scheduled_at__lt=cutoff))
         reason = f"no agent started it within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
-        return [
+        ended = [
             a
             for a in stale
             if a.finish(AttemptState.LOST, FailureClass.INFRA, reason, from_states=[AttemptState.SCHEDULED])
         ]
+        # A gang whose other ranks started but one never did would wait for it until its max runtime.
+        rows = cls.objects.filter(state__in=STARTED_ATTEMPT_STATES, started_at__lt=cutoff).values_list(
+            "pk", "rank_status", "placement"
+        )
+        partial = cls.objects.filter(pk__in=[pk for pk, status, ranks in rows if len(status) < len(ranks)])
+        missing = f"a rank was not started by its node's agent within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
+        return ended + [a for a in partial if a.finish(AttemptState.LOST, FailureClass.INFRA, missing)]
+
+
+def requeue_for(failure_class: str, job: Job) -> tuple[str, dict] | None:
+    """Whether a job whose attempt ended this way goes back to the queue: the event
+    kind and the counter it uses. Only the command's own failures use the job's
+    retry budget; infrastructure losses and preemptions have caps against loops."""
+    if failure_class == FailureClass.USER and job.retries < job.max_retries:
+        return "retry", {"retries": job.retries + 1}
+    if failure_class == FailureClass.INFRA and job.requeues < settings.HANGAR_MAX_REQUEUES:
+        return "requeue", {"requeues": job.requeues + 1}
+    if failure_class == FailureClass.PREEMPTED and job.preemptions < settings.HANGAR_MAX_PREEMPTIONS:
+        return "preempted", {"preemptions": job.preemptions + 1}
+    return None
 
 
 def lease_from(now):

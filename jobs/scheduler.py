@@ -1,110 +1,237 @@
-"""Placing queued jobs on nodes with free GPUs.
+"""The scheduling pass: load the fleet and the queue, decide (jobs/policy.py, pure),
+and apply the decision under row locks, dispatching after commit.
 
-`place` is the pure decision (plain data in, plain data out); `schedule_pass`
-loads the fleet, applies it under row locks and dispatches after commit.
+Two passes never hand out one GPU twice: a pass locks every schedulable node
+row for its whole transaction (PostgreSQL: SELECT ... FOR UPDATE; SQLite: the
+IMMEDIATE transaction is the write lock), reads what live attempts hold only
+after taking the lock, and a job leaves `queued` by a conditional update.
 """
 
 import logging
-from dataclasses import dataclass, field
+from collections import defaultdict
+from datetime import timedelta
 
 from django.db import transaction
-from django.db.models import Case, IntegerField, Value, When
+from django.db.models import Case, IntegerField, Max, Value, When
 from django.utils import timezone
 
 from fleet.models import Node
-from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobEvent, JobState, Priority
+from jobs.models import (
+    ACTIVE_ATTEMPT_STATES,
+    STARTED_ATTEMPT_STATES,
+    Attempt,
+    AttemptState,
+    Environment,
+    FailureClass,
+    Job,
+    JobEvent,
+    JobState,
+    priority_class,
+    priority_classes,
+)
+from jobs.policy import (  # noqa: F401  (place and friends are this module's public face too)
+    FreeNode,
+    Placement,
+    Plan,
+    ProjectLimits,
+    QueuedJob,
+    Request,
+    RunningAttempt,
+    estimate_starts,
+    mark_borrowed,
+    place,
+    plan,
+)
+from portal.models import Project
 
 log = logging.getLogger("hangar.scheduler")
 
-PASS_LIMIT = 1000  # queued jobs looked at in one pass
+PASS_LIMIT = 20000  # queued jobs looked at in one pass
+CHUNK = 500
 
 
-@dataclass
-class FreeNode:
-    node_id: int
-    gpu_model: str
-    free: list[int] = field(default_factory=list)
+# --- loading plain data -------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Request:
-    gpus: int
-    gpu_type: str = ""
-
-
-def place(request: Request, nodes: list[FreeNode]) -> tuple[int, list[int]] | None:
-    """The node and GPU indices for a one-node request, or None if nothing fits.
-
-    Best fit: the node with the fewest free GPUs that still fits, so a small
-    job fills a partly used node rather than breaking into an empty one.
-    """
-    fits = [
-        n for n in nodes if len(n.free) >= request.gpus and (not request.gpu_type or n.gpu_model == request.gpu_type)
-    ]
-    if not fits:
-        return None
-    best = min(fits, key=lambda n: (len(n.free), n.node_id))
-    return best.node_id, sorted(best.free)[: request.gpus]
+def node_environments(nodes: list[Node]) -> dict[int, frozenset[str]]:
+    everywhere = set(Environment.objects.filter(everywhere=True).values_list("name", flat=True))
+    advertised: dict[int, set[str]] = defaultdict(set)
+    through = Environment.nodes.through.objects.filter(node__in=nodes).values_list("node_id", "environment__name")
+    for node_id, name in through:
+        advertised[node_id].add(name)
+    return {n.pk: frozenset(everywhere | advertised[n.pk]) for n in nodes}
 
 
 def free_gpus(nodes: list[Node]) -> list[FreeNode]:
-    used: dict[int, set[int]] = {}
-    live = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES, node__in=nodes).values_list("node_id", "gpu_indices")
-    for node_id, indices in live:
-        used.setdefault(node_id, set()).update(indices)
+    """What the nodes have free: every GPU no live attempt's rank holds."""
+    used: dict[int, set[int]] = defaultdict(set)
+    live = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).values_list("node_id", "gpu_indices", "placement")
+    for node_id, indices, placement in live:
+        for rank in placement or [{"node_id": node_id, "gpus": indices}]:
+            used[rank["node_id"]].update(rank["gpus"])
+    envs = node_environments(nodes)
     return [
-        FreeNode(n.pk, n.gpu_model, [i for i in range(n.gpu_count) if i not in used.get(n.pk, set())]) for n in nodes
+        FreeNode(n.pk, n.gpu_model, [i for i in range(n.gpu_count) if i not in used[n.pk]], envs[n.pk], n.gpu_count)
+        for n in nodes
     ]
 
 
-def queued_jobs():
-    rank = Case(*(When(priority=p.value, then=Value(p.rank)) for p in Priority), output_field=IntegerField())
-    return Job.objects.filter(state=JobState.QUEUED).annotate(rank=rank).order_by("-rank", "queued_at", "id")
+def running_attempts(now=None) -> list[RunningAttempt]:
+    now = now or timezone.now()
+    rows = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).order_by("scheduled_at", "pk").values(
+        "pk", "job_id", "node_id", "gpu_indices", "placement", "borrowed", "scheduled_at", "running_at",
+        "preempt_requested_at", "cancel_requested_at", "job__project_id", "job__submitted_by_id",
+        "job__priority", "job__preemptible", "job__max_runtime_seconds",
+    )  # fmt: skip
+    out, classes = [], priority_classes()
+    for r in rows:
+        started = r["running_at"] or r["scheduled_at"]
+        elapsed = max(0.0, (now - started).total_seconds())
+        cls = classes.get(r["job__priority"]) or priority_class(r["job__priority"])
+        out.append(
+            RunningAttempt(
+                attempt_id=r["pk"],
+                job_id=r["job_id"],
+                placement=[(p["node_id"], p["gpus"]) for p in r["placement"]] or [(r["node_id"], r["gpu_indices"])],
+                project_id=r["job__project_id"],
+                user_id=r["job__submitted_by_id"],
+                rank=cls.rank,
+                preemptible=bool(r["job__preemptible"]) or cls.preemptible,
+                borrowed=r["borrowed"],
+                elapsed=elapsed,
+                remaining=max(0.0, r["job__max_runtime_seconds"] - elapsed),
+                preempting=r["preempt_requested_at"] is not None or r["cancel_requested_at"] is not None,
+            )
+        )
+    return out
+
+
+def queue_order():
+    """Queued jobs in the order they are considered: class rank, then place in the queue."""
+    rank = Case(
+        *(When(priority=name, then=Value(cls.rank)) for name, cls in priority_classes().items()),
+        default=Value(-1),
+        output_field=IntegerField(),
+    )
+    return Job.objects.filter(state=JobState.QUEUED).annotate(rank=rank).order_by("-rank", "order_at", "id")
+
+
+def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
+    rows = queue_order().values(
+        "pk", "project_id", "submitted_by_id", "priority", "gpus_per_node", "nodes", "gpu_type",
+        "environment__name", "max_runtime_seconds",
+    )[:limit]  # fmt: skip
+    out, classes = [], priority_classes()
+    for r in rows:
+        cls = classes.get(r["priority"]) or priority_class(r["priority"])
+        request = Request(r["gpus_per_node"], r["gpu_type"], r["nodes"], r["environment__name"] or "")
+        out.append(
+            QueuedJob(
+                r["pk"],
+                request,
+                r["project_id"],
+                r["submitted_by_id"],
+                cls.rank,
+                cls.may_preempt,
+                float(r["max_runtime_seconds"]),
+            )  # fmt: skip
+        )
+    return out
+
+
+def project_limits() -> dict[int, ProjectLimits]:
+    rows = Project.objects.values_list(
+        "pk", "gpu_quota", "may_borrow", "max_running_jobs", "max_running_jobs_per_user", "max_gpus_per_job"
+    )
+    return {pk: ProjectLimits(*fields) for pk, *fields in rows}
+
+
+# --- the pass -------------------------------------------------------------------
 
 
 def schedule_pass() -> list[Attempt]:
-    """Place what fits now. Safe to run concurrently: node rows are locked for the pass."""
+    """Place what fits now and preempt what must make room. Safe to run concurrently."""
     with transaction.atomic():
         nodes = list(Node.objects.schedulable().select_for_update().order_by("pk"))
         if not nodes:
             return []
-        fleet = free_gpus(nodes)
-        by_id = {n.pk: n for n in nodes}
-        free_by_id = {f.node_id: f for f in fleet}
-        placed = []
-        for job in queued_jobs()[:PASS_LIMIT]:
-            spot = place(Request(job.gpus_per_node, job.gpu_type), fleet)
-            if spot is None:
-                continue
-            node_id, indices = spot
-            attempt = start_attempt(job, by_id[node_id], indices)
-            if attempt is not None:
-                free_by_id[node_id].free = [i for i in free_by_id[node_id].free if i not in indices]
-                placed.append(attempt)
+        projects, running = project_limits(), running_attempts()
+        mark_borrowed(running, projects)  # by the quotas as they are now
+        decided = plan(queued_jobs(), free_gpus(nodes), running, projects)
+        placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
+        for attempt_id, job_id in decided.preemptions.items():
+            preempt(attempt_id, f"preempted to make room for job {job_id}")
     return placed
 
 
-def start_attempt(job: Job, node: Node, gpu_indices: list[int]) -> Attempt | None:
-    if not Job.objects.filter(pk=job.pk, state=JobState.QUEUED).update(state=JobState.SCHEDULED):
-        return None
-    number = job.attempts.count() + 1
-    attempt = Attempt.objects.create(
-        job=job,
-        number=number,
-        node=node,
-        gpu_indices=gpu_indices,
-        queued_at=job.queued_at,
-        scheduled_at=timezone.now(),
+def start_attempts(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:
+    placed = []
+    for start in range(0, len(placements), CHUNK):
+        placed += _start_chunk(placements[start : start + CHUNK], nodes)
+    return placed
+
+
+def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:
+    ids = [p.job_id for p in placements]
+    queued = Job.objects.select_for_update().filter(pk__in=ids, state=JobState.QUEUED)
+    jobs = {pk: queued_at for pk, queued_at in queued.values_list("pk", "queued_at")}
+    # Only jobs still queued move on: one cancelled meanwhile is left alone.
+    Job.objects.filter(pk__in=list(jobs), state=JobState.QUEUED).update(state=JobState.SCHEDULED)
+    previous = Attempt.objects.filter(job_id__in=list(jobs)).values("job_id").annotate(n=Max("number"))
+    numbers = dict(previous.values_list("job_id", "n"))
+    now = timezone.now()
+    attempts = [
+        Attempt(
+            job_id=p.job_id,
+            number=(numbers.get(p.job_id) or 0) + 1,
+            node=nodes[p.ranks[0][0]],
+            gpu_indices=p.ranks[0][1],
+            placement=[
+                {"rank": r, "node_id": n, "node": nodes[n].name, "gpus": gpus} for r, (n, gpus) in enumerate(p.ranks)
+            ],
+            borrowed=p.borrowed,
+            queued_at=jobs[p.job_id],
+            scheduled_at=now,
+        )
+        for p in placements
+        if p.job_id in jobs
+    ]
+    Attempt.objects.bulk_create(attempts)
+    JobEvent.objects.bulk_create(
+        JobEvent(job_id=a.job_id, attempt=a, kind="scheduled", message=describe_placement(a)) for a in attempts
     )
-    JobEvent.objects.create(job=job, attempt=attempt, kind="scheduled", message=f"on {node.name} GPUs {gpu_indices}")
-    transaction.on_commit(lambda: dispatch(attempt.pk, node.queue))
-    return attempt
+    for a in attempts:
+        for rank in a.placement:
+            queue = nodes[rank["node_id"]].queue
+            transaction.on_commit(lambda a=a.pk, q=queue, r=rank["rank"]: dispatch(a, q, r))
+    return attempts
 
 
-def dispatch(attempt_id: int, queue: str) -> None:
+def describe_placement(attempt: Attempt) -> str:
+    where = "; ".join(f"rank {r['rank']} on {r['node']} GPUs {r['gpus']}" for r in attempt.placement)
+    return where + (" (borrowed beyond the project's quota)" if attempt.borrowed else "")
+
+
+def preempt(attempt_id: int, reason: str) -> bool:
+    """Stop an attempt to make room: one not yet started ends now; a started one is
+    asked to stop (its agent sends SIGTERM, waits the grace period, then SIGKILL)."""
+    attempt = Attempt.objects.filter(pk=attempt_id).first()
+    if attempt is None:
+        return False
+    if attempt.finish(AttemptState.PREEMPTED, FailureClass.PREEMPTED, reason, from_states=[AttemptState.SCHEDULED]):
+        return True
+    asked = Attempt.objects.filter(
+        pk=attempt_id, state__in=STARTED_ATTEMPT_STATES, preempt_requested_at=None, cancel_requested_at=None
+    ).update(preempt_requested_at=timezone.now(), reason=reason)
+    if asked:
+        JobEvent.objects.create(job_id=attempt.job_id, attempt=attempt, kind="preempt", message=reason)
+    return bool(asked)
+
+
+def dispatch(attempt_id: int, queue: str, rank: int = 0) -> None:
     from jobs.tasks import run_attempt
 
-    run_attempt.apply_async(args=[attempt_id], queue=queue)
+    run_attempt.apply_async(args=[attempt_id, rank], queue=queue)
 
 
 def reconcile() -> None:
@@ -119,3 +246,32 @@ def request_pass() -> None:
     from jobs.tasks import schedule
 
     transaction.on_commit(lambda: schedule.apply_async(queue="hangar.scheduler"))
+
+
+# --- the queue as users see it ----------------------------------------------------
+
+
+def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
+    """Every queued job in order with why it waits and when it should start, read
+    without locks (a dry run of the next pass); and the reasons by job id."""
+    now = now or timezone.now()
+    nodes = list(Node.objects.schedulable().order_by("pk"))
+    fleet, running, projects = free_gpus(nodes), running_attempts(now), project_limits()
+    mark_borrowed(running, projects)
+    jobs = queued_jobs()
+    decided = plan(jobs, fleet, running, projects)
+    starts = estimate_starts(jobs, free_gpus(nodes), running)
+    starting = {p.job_id for p in decided.placements}
+    rows = []
+    for position, job in enumerate(jobs, start=1):
+        waiting = decided.waiting.get(job.job_id)
+        if job.job_id in starting:
+            reason = {"code": "starting", "message": "fits now: starts at the next scheduling pass"}
+        elif waiting is not None:
+            reason = {"code": waiting.code, "message": waiting.message}
+        else:
+            reason = {"code": "capacity", "message": "waiting for free GPUs"}
+        seconds = 0.0 if job.job_id in starting else starts.get(job.job_id)
+        estimate = None if seconds is None else now + timedelta(seconds=seconds)
+        rows.append({"job_id": job.job_id, "position": position, "reason": reason, "estimated_start": estimate})
+    return rows, {r["job_id"]: r for r in rows}

@@ -12,7 +12,7 @@ def schedule() -> int:
 
 
 @shared_task(name="hangar.run_attempt")
-def run_attempt(attempt_id: int) -> None:
-    """Sent to one node's queue: start that attempt there. Acknowledged early: a
-    redelivered message finds the attempt already taken and does nothing."""
-    execution.run_attempt(attempt_id)
+def run_attempt(attempt_id: int, rank: int = 0) -> None:
+    """Sent to one node's queue: start that rank of the attempt there. Acknowledged early:
+    a redelivered message finds the rank already taken and does nothing."""
+    execution.run_attempt(attempt_id, rank)

@@ -5,6 +5,9 @@ from jobs import views
 urlpatterns = [
     path("", views.job_list, name="job-list"),
     path("new/", views.submit, name="job-submit"),
+    path("queue/", views.queue, name="job-queue"),
+    path("queue/panel/", views.queue_panel, name="job-queue-panel"),
+    path("<int:pk>/move/", views.move, name="job-move"),
     path("<int:pk>/", views.job_detail, name="job-detail"),
     path("<int:pk>/status/", views.job_status, name="job-status"),
     path("<int:pk>/cancel/", views.cancel, name="job-cancel"),

@@ -3,7 +3,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from jobs.api.serializers import JobSubmitSerializer
-from jobs.api.views import can_cancel
+from jobs.api.views import can_cancel, movable_jobs, queue_state
 from jobs.forms import JobForm
 from jobs.models import Job
 
@@ -59,3 +59,25 @@ def cancel(request, pk: int):
     if request.headers.get("HX-Request"):
         return render(request, "jobs/partials/job_status.html", status_context(request, job))
     return redirect("job-detail", pk=job.pk)
+
+
+def queue(request):
+    return render(request, "jobs/queue.html", {"queue": queue_state(request.user)})
+
+
+def queue_panel(request):
+    """The waiting and running tables: a partial the queue page refreshes with htmx."""
+    return render(request, "jobs/partials/queue_tables.html", {"queue": queue_state(request.user)})
+
+
+@require_POST
+def move(request, pk: int):
+    job = visible_job(request, pk)
+    movable = movable_jobs(request.user)
+    if request.POST.get("direction") in ("up", "down") and movable.filter(pk=job.pk).exists():
+        job.move(request.user, request.POST["direction"], movable)
+    else:
+        messages.error(request, "Only the job's submitter or a project manager can move it.")
+    if request.headers.get("HX-Request"):
+        return queue_panel(request)
+    return redirect("job-queue")

@@ -55,6 +55,16 @@ class Project(models.Model):
     slug = models.SlugField(unique=True, help_text="Short name used in the API and CLI.")
     name = models.CharField(max_length=200)
     created_at = models.DateTimeField(default=timezone.now)
+    # Queues and capacity (see jobs/scheduler.py).
+    gpu_quota = models.PositiveIntegerField(default=0, help_text="GPUs guaranteed to this project.")
+    may_borrow = models.BooleanField(default=True, help_text="May use idle GPUs beyond its quota (taken back first).")
+    max_running_jobs = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: no limit.")
+    max_running_jobs_per_user = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: no limit.")
+    max_gpus_per_job = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: no limit.")
+    default_priority = models.CharField(max_length=32, default="normal", help_text="Class of jobs that ask for none.")
+    max_member_priority = models.CharField(
+        max_length=32, default="high", help_text="Highest class a member may ask for; managers may ask for any."
+    )
 
     objects = ProjectQuerySet.as_manager()
 

@@ -288,6 +288,36 @@ HANGAR_LOG_RETENTION_DAYS = env_float("HANGAR_LOG_RETENTION_DAYS", 60.0, minimum
 HANGAR_LOG_RETENTION_INTERVAL_SECONDS = env_float("HANGAR_LOG_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 
+# --- Queues and capacity -----------------------------------------------------
+
+
+def env_priority_classes(name: str, default: str) -> dict[str, dict]:
+    """`name:rank[:flag+flag]` entries, comma-separated; flags `preempt` (may preempt
+    lower classes) and `preemptible` (may be preempted)."""
+    classes = {}
+    for item in env_list(name, default.split(",")):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not parts[0] or not parts[1].lstrip("-").isdigit():
+            raise ImproperlyConfigured(f"{name}: {item!r} is not name:rank[:flags], e.g. urgent:40:preempt")
+        flags = set(parts[2].split("+")) if len(parts) == 3 and parts[2] else set()
+        if flags - {"preempt", "preemptible"}:
+            raise ImproperlyConfigured(f"{name}: unknown flags {sorted(flags)} in {item!r}; use preempt, preemptible")
+        classes[parts[0]] = {
+            "rank": int(parts[1]),
+            "may_preempt": "preempt" in flags,
+            "preemptible": "preemptible" in flags,
+        }
+    return classes
+
+
+HANGAR_PRIORITY_CLASSES = env_priority_classes(
+    "HANGAR_PRIORITY_CLASSES", "urgent:40:preempt,high:30:preempt,normal:20,low:10:preemptible,scavenger:0:preemptible"
+)
+HANGAR_PREEMPT_GRACE_SECONDS = env_float("HANGAR_PREEMPT_GRACE_SECONDS", 60.0)
+HANGAR_MAX_PREEMPTIONS = env_int("HANGAR_MAX_PREEMPTIONS", 20, minimum=0)
+HANGAR_MASTER_PORT_BASE = env_int("HANGAR_MASTER_PORT_BASE", 29500, minimum=1024)
+HANGAR_DOCKER = env_str("HANGAR_DOCKER", "docker")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

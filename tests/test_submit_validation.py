@@ -139,8 +139,8 @@ def test_it_refuses_an_unknown_priority(submit):
     assert_refused(submit(priority="asap"), "priority", "asap is not a priority class", "normal")
 
 
-def test_it_refuses_multi_node_jobs(submit):
-    assert_refused(submit(nodes=2), "nodes", "not supported yet", "nodes=1")
+def test_it_refuses_more_nodes_than_the_fleet_has(submit):
+    assert_refused(submit(nodes=2, gpus_per_node=4), "nodes", "nodes=2 but only 1", "ask for fewer")
 
 
 def test_a_viewer_cannot_submit(project, node):

@@ -6,7 +6,7 @@ from django.db.models import Max
 from rest_framework import serializers
 
 from fleet.models import Node
-from jobs.models import Attempt, Job, JobEvent, Priority
+from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
 from jobs.scheduler import request_pass
 from portal.models import Project, Role, VolumeMode
 
@@ -87,17 +87,15 @@ class JobSubmitSerializer(serializers.Serializer):
     nodes = serializers.IntegerField(
         default=1,
         min_value=1,
-        max_value=1,
-        error_messages={"max_value": "multi-node jobs are not supported yet; use nodes=1", "min_value": "must be 1"},
+        error_messages={"min_value": "must be at least 1 node", "invalid": "must be a whole number of nodes"},
     )
     gpu_type = serializers.CharField(required=False, allow_blank=True, max_length=64)
-    priority = serializers.ChoiceField(
-        choices=Priority.choices,
-        default=Priority.NORMAL,
-        error_messages={
-            "invalid_choice": f"{{input}} is not a priority class; use one of {', '.join(Priority.values)}"
-        },
+    priority = serializers.CharField(required=False, allow_blank=True, max_length=32)
+    preemptible = serializers.BooleanField(required=False, allow_null=True, default=None)
+    max_retries = serializers.IntegerField(
+        default=0, min_value=0, max_value=100, error_messages={"max_value": "must be at most 100 retries"}
     )
+    environment = serializers.CharField(required=False, allow_blank=True, max_length=64)
     max_runtime_seconds = serializers.IntegerField(
         required=False,
         min_value=1,
@@ -115,7 +113,41 @@ class JobSubmitSerializer(serializers.Serializer):
             )
         self.check_capacity(attrs)
         self.check_volumes(attrs)
+        attrs["priority"] = self.check_priority(attrs["project"], attrs.get("priority") or "")
+        limit = attrs["project"].max_gpus_per_job
+        if limit is not None and attrs["gpus_per_node"] * attrs["nodes"] > limit:
+            total, slug = attrs["gpus_per_node"] * attrs["nodes"], attrs["project"].slug
+            raise serializers.ValidationError(
+                {"gpus_per_node": f"asks for {total} GPUs; project {slug} allows at most {limit} a job"}
+            )
         return attrs
+
+    def check_priority(self, project: Project, name: str) -> str:
+        """The project's default class, or the one asked for if this user may use it."""
+        classes = priority_classes()
+        name = name or project.default_priority
+        if name not in classes:
+            raise serializers.ValidationError(
+                {"priority": f"{name} is not a priority class; use one of {', '.join(classes)}"}
+            )
+        ceiling = priority_class(project.max_member_priority)
+        user = self.context["request"].user
+        manager = Project.objects.with_role(user, Role.MANAGER).filter(pk=project.pk).exists()
+        if classes[name].rank > ceiling.rank and not manager:
+            allowed = ", ".join(n for n, c in classes.items() if c.rank <= ceiling.rank)
+            raise serializers.ValidationError(
+                {"priority": f"{name} needs a manager of {project.slug}; members may use {allowed}"}
+            )
+        return name
+
+    def validate_environment(self, name: str) -> Environment | None:
+        if not name:
+            return None
+        environment = Environment.objects.filter(name=name).first()
+        if environment is None:
+            known = ", ".join(Environment.objects.values_list("name", flat=True)) or "none"
+            raise serializers.ValidationError(f"no environment {name!r}; environments: {known}")
+        return environment
 
     def validate_project(self, slug: str) -> Project:
         user = self.context["request"].user
@@ -179,6 +211,12 @@ class JobSubmitSerializer(serializers.Serializer):
             raise serializers.ValidationError(
                 {"gpus_per_node": f"gpus_per_node={gpus} but {where} has {largest}; ask for at most {largest}"}
             )
+        big_enough = nodes.filter(gpu_count__gte=gpus).count()
+        if attrs["nodes"] > big_enough:
+            kind = f"{gpu_type} " if gpu_type else ""
+            raise serializers.ValidationError(
+                {"nodes": f"nodes={attrs['nodes']} but only {big_enough} {kind}nodes have {gpus} GPUs; ask for fewer"}
+            )
 
     def create(self, validated) -> Job:
         command = validated["command"]
@@ -196,6 +234,9 @@ class JobSubmitSerializer(serializers.Serializer):
                 nodes=validated["nodes"],
                 gpu_type=validated.get("gpu_type", ""),
                 priority=validated["priority"],
+                preemptible=validated.get("preemptible"),
+                max_retries=validated["max_retries"],
+                environment=validated.get("environment"),
                 max_runtime_seconds=validated.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
             )
             JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
@@ -216,6 +257,8 @@ class AttemptSerializer(serializers.ModelSerializer):
             "state",
             "node",
             "gpu_indices",
+            "placement",
+            "borrowed",
             "queued_at",
             "scheduled_at",
             "started_at",
@@ -231,6 +274,7 @@ class AttemptSerializer(serializers.ModelSerializer):
 
 class JobSerializer(serializers.ModelSerializer):
     project = serializers.CharField(source="project.slug")
+    environment = serializers.CharField(source="environment.name", default=None)
     submitted_by = serializers.CharField(source="submitted_by.username")
     attempts = AttemptSerializer(many=True, read_only=True)
     secret_env = serializers.SerializerMethodField(help_text="Names of the secret variables; values are never shown.")
@@ -252,7 +296,12 @@ class JobSerializer(serializers.ModelSerializer):
             "nodes",
             "gpu_type",
             "priority",
+            "preemptible",
+            "environment",
             "max_runtime_seconds",
+            "max_retries",
+            "retries",
+            "preemptions",
             "state",
             "state_reason",
             "exit_code",

@@ -1,13 +1,16 @@
 from django.db import IntegrityError
+from django.db.models import Q
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import APIException, PermissionDenied
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
-from jobs.models import Job, JobState
+from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState
+from jobs.scheduler import queue_report
 from portal.models import Project, Role
 
 IDEMPOTENCY_HEADER = OpenApiParameter(
@@ -105,6 +108,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             "nodes": job.nodes,
             "gpu_type": job.gpu_type,
             "priority": job.priority,
+            "preemptible": job.preemptible,
+            "max_retries": job.max_retries,
+            "environment": job.environment.name if job.environment else "",
             "max_runtime_seconds": job.max_runtime_seconds,
         }
         submit = JobSubmitSerializer(data=spec, context={"request": request})
@@ -116,6 +122,21 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def attempts(self, request, pk=None):
         job = self.get_object()
         return Response(AttemptSerializer(job.attempts.select_related("node"), many=True).data)
+
+    @action(detail=True, methods=["post"])
+    def move(self, request, pk=None):
+        """Move a queued job up or down within its class: {"direction": "up" | "down"}."""
+        job = self.get_object()
+        direction = request.data.get("direction") if isinstance(request.data, dict) else None
+        if direction not in ("up", "down"):
+            raise serializers.ValidationError({"direction": "must be 'up' or 'down'"})
+        movable = movable_jobs(request.user)
+        if not movable.filter(pk=job.pk).exists():
+            raise PermissionDenied("only the job's submitter or a manager of its project can move it")
+        if job.state != JobState.QUEUED:
+            raise serializers.ValidationError({"direction": f"job {job.pk} is {job.state}; only queued jobs move"})
+        moved = job.move(request.user, direction, movable)
+        return Response({"moved": moved, "job": JobSerializer(job).data})
 
 
 def filter_jobs(jobs, params, user):
@@ -145,6 +166,63 @@ def idempotency_key(request, data: dict) -> str:
     if len(key) > 200:
         raise serializers.ValidationError({"idempotency_key": f"is {len(key)} characters; use at most 200"})
     return key
+
+
+def movable_jobs(user):
+    """Jobs a user may reorder: their own in projects they submit to, and all of projects they manage."""
+    members = Project.objects.with_role(user, Role.MEMBER)
+    managed = Project.objects.with_role(user, Role.MANAGER)
+    return Job.objects.filter(Q(project__in=managed) | Q(project__in=members, submitted_by=user))
+
+
+def queue_state(user, project: str = "") -> dict:
+    """The queue as `user` may see it: waiting jobs with position, reason and estimated
+    start (positions count every job ahead, seen or not), and running jobs with placement."""
+    visible = Job.objects.visible_to(user)
+    if project:
+        visible = visible.filter(project__slug=project)
+    rows, _ = queue_report()
+    jobs = visible.filter(pk__in=[r["job_id"] for r in rows]).select_related("project", "submitted_by", "environment")
+    by_id = {j.pk: j for j in jobs}
+    movable = set(movable_jobs(user).filter(pk__in=list(by_id)).values_list("pk", flat=True))
+    waiting = [
+        {**queue_job(by_id[r["job_id"]]), "position": r["position"], "reason": r["reason"],
+         "estimated_start": r["estimated_start"], "can_move": r["job_id"] in movable}
+        for r in rows
+        if r["job_id"] in by_id
+    ]  # fmt: skip
+    live = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES, job__in=visible).select_related(
+        "job__project", "job__submitted_by", "job__environment"
+    )
+    running = [
+        {**queue_job(a.job), "state": a.state, "attempt": a.number, "placement": a.ranks,
+         "borrowed": a.borrowed, "started_at": a.running_at or a.started_at,
+         "preempting": a.preempt_requested_at is not None}
+        for a in live.order_by("scheduled_at")
+    ]  # fmt: skip
+    return {"waiting": waiting, "running": running}
+
+
+def queue_job(job: Job) -> dict:
+    return {
+        "id": job.pk,
+        "name": job.name,
+        "project": job.project.slug,
+        "submitted_by": job.submitted_by.username,
+        "priority": job.priority,
+        "gpus_per_node": job.gpus_per_node,
+        "nodes": job.nodes,
+        "gpu_type": job.gpu_type,
+        "environment": job.environment.name if job.environment else None,
+        "queued_at": job.queued_at,
+    }
+
+
+class QueueView(APIView):
+    """GET /api/v1/queue/?project=slug"""
+
+    def get(self, request):
+        return Response(queue_state(request.user, request.query_params.get("project", "")))
 
 
 def can_cancel(user, job: Job) -> bool:

@@ -8,6 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 from fleet.agent import Agent, default_node_name
 from fleet.gpus import SIMULATED_MODELS, detect_provider
 from jobs import execution
+from jobs.models import Environment
 from portal.celery import app
 
 
@@ -24,8 +25,13 @@ class Command(BaseCommand):
         )
         parser.add_argument("--sim-gpus", type=int, default=int(os.environ.get("HANGAR_SIM_GPUS") or 4))
         parser.add_argument("--sim-model", default=os.environ.get("HANGAR_SIM_GPU_MODEL") or "H100")
+        parser.add_argument(
+            "--environments",
+            default=os.environ.get("HANGAR_NODE_ENVIRONMENTS", ""),
+            help="Comma-separated environments this node can run (besides those that run everywhere), e.g. ai.",
+        )
 
-    def handle(self, *args, node, simulate, sim_gpus, sim_model, **options):
+    def handle(self, *args, node, simulate, sim_gpus, sim_model, environments, **options):
         if sim_model not in SIMULATED_MODELS:
             raise CommandError(f"--sim-model {sim_model!r} is unknown; use one of {', '.join(SIMULATED_MODELS)}")
         if sim_gpus < 1:
@@ -34,6 +40,9 @@ class Command(BaseCommand):
         registered = agent.register()
         kind = "simulated" if registered.simulated else "NVML"
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
+        names = [n.strip() for n in environments.split(",") if n.strip()]
+        if unknown := Environment.advertise(registered, names):
+            self.stderr.write(f"unknown environments ignored: {', '.join(unknown)} (define them in the admin)")
         stop = threading.Event()
         threading.Thread(target=agent.heartbeat_forever, args=(stop,), daemon=True, name="heartbeat").start()
         worker_shutting_down.connect(lambda **kw: execution.stop_all("the node's agent shut down"), weak=False)

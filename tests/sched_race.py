@@ -1,0 +1,88 @@
+"""Scheduler processes racing on one database, for tests/test_sched_race.py:
+`setup` fills a fresh database, `race START` runs passes from wall-clock START
+(two of them at once), `check` reports the GPUs live attempts hold. Each prints JSON."""
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.contrib.auth import get_user_model  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.utils import timezone  # noqa: E402
+
+from fleet.models import Node  # noqa: E402
+from jobs import scheduler  # noqa: E402
+from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job  # noqa: E402
+from portal.models import Project  # noqa: E402
+
+PASSES = 15
+
+
+def setup(nodes: int, jobs: int) -> None:
+    call_command("migrate", interactive=False, verbosity=0)
+    user = get_user_model().objects.create(username="racer")
+    project = Project.objects.create(slug="race", name="race")
+    now = timezone.now()
+    Node.objects.bulk_create(
+        Node(name=f"n{i}", gpu_model="H100", gpu_count=8, simulated=True, last_heartbeat_at=now) for i in range(nodes)
+    )
+    rng = random.Random(3)
+    Job.objects.bulk_create(
+        Job(project=project, submitted_by=user, name="race", command=["true"], max_runtime_seconds=600,
+            gpus_per_node=rng.choice([1, 2, 4, 8]), nodes=rng.choice([1, 1, 1, 2]))
+        for _ in range(jobs)
+    )  # fmt: skip
+
+
+def race(start_at: float) -> None:
+    scheduler.dispatch = lambda *args: None
+    scheduler.request_pass = lambda: None
+    decide = scheduler.plan
+
+    def slow_plan(*args, **kwargs):
+        # A slow pass (a big fleet, a loaded database): the window between reading the
+        # free GPUs and writing the attempts is where an unlocked pass would collide.
+        time.sleep(0.05)
+        return decide(*args, **kwargs)
+
+    scheduler.plan = slow_plan
+    placed, errors = 0, []
+    time.sleep(max(0.0, start_at - time.time()))
+    try:
+        for _ in range(PASSES):
+            placed += len(scheduler.schedule_pass())
+            # Free some GPUs so the other pass has new room to fight over.
+            for attempt in Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).order_by("?")[:6]:
+                attempt.finish("succeeded", exit_code=0)
+    except Exception as exc:  # reported, not swallowed: the test fails on it
+        errors.append(repr(exc))
+    print(json.dumps({"placed": placed, "errors": errors}))
+
+
+def check() -> None:
+    held = [
+        (rank["node_id"], gpu)
+        for placement in Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).values_list("placement", flat=True)
+        for rank in placement
+        for gpu in rank["gpus"]
+    ]
+    print(json.dumps({"held": len(held), "distinct": len(set(held))}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "setup":
+        setup(nodes=20, jobs=400)
+    elif sys.argv[1] == "race":
+        race(float(sys.argv[2]))
+    else:
+        check()

@@ -1,0 +1,89 @@
+"""Environments: where a job may run and the command line its rank starts with."""
+
+from pathlib import Path
+
+from jobs.environments import command_for, docker_argv
+from jobs.execution import rank_env
+from jobs.models import Attempt, Environment, EnvironmentKind
+from tests.conftest import make_job, make_node
+
+
+def test_the_docker_command_line_for_a_rank():
+    argv = docker_argv("nvcr.io/nvidia/pytorch:25.01-py3", ["python", "train.py", "--lr", "1e-4"],
+                       ["HANGAR_JOB_ID", "WANDB_API_KEY"], [2, 3], Path("/data/jobs/7"), "hangar-70-1")  # fmt: skip
+
+    assert argv == [
+        "docker", "run", "--rm", "--name", "hangar-70-1", "--init",
+        "--gpus", '"device=2,3"',
+        "--network", "host", "--ipc", "host",
+        "-v", "/data/jobs/7:/data/jobs/7", "-w", "/data/jobs/7",
+        "-e", "HANGAR_JOB_ID", "-e", "WANDB_API_KEY",
+        "nvcr.io/nvidia/pytorch:25.01-py3", "python", "train.py", "--lr", "1e-4",
+    ]  # fmt: skip
+
+
+def test_a_container_job_passes_variables_by_name_never_their_values(project, owner):
+    image = Environment.objects.create(name="pt", kind=EnvironmentKind.CONTAINER, image="pytorch:latest")
+    job = make_job(project, owner, environment=image)
+    env = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0", "SECRET": "hunter2", "RANK": "0"}
+
+    argv, passed = command_for(job, env, [0], Path("/w"), "hangar-1-0")
+
+    assert argv[:2] == ["docker", "run"] and argv[-3:] == ["pytorch:latest", "python", "train.py"]
+    assert "hunter2" not in " ".join(argv)
+    assert ["-e", "RANK"] == argv[argv.index("RANK") - 1 : argv.index("RANK") + 1]
+    assert "PATH" not in argv and "CUDA_VISIBLE_DEVICES" not in argv  # the container sees only its GPUs
+    assert passed == env  # the docker client hands the values over
+
+
+def test_a_host_environment_puts_its_prefix_first_on_path(project, owner):
+    venv = Environment.objects.create(name="venv", path="/opt/envs/ai")
+    job = make_job(project, owner, environment=venv)
+
+    argv, env = command_for(job, {"PATH": "/usr/bin"}, [0], Path("/w"), "x")
+
+    assert argv == ["python", "train.py"]
+    assert env["PATH"] == "/opt/envs/ai/bin:/usr/bin" and env["VIRTUAL_ENV"] == "/opt/envs/ai"
+
+
+def test_a_job_without_an_environment_runs_its_command_as_is(project, owner):
+    argv, env = command_for(make_job(project, owner), {"A": "1"}, [0], Path("/w"), "x")
+
+    assert (argv, env) == (["python", "train.py"], {"A": "1"})
+
+
+def test_built_in_environments_exist(db):
+    assert dict(Environment.objects.values_list("name", "everywhere")) == {"cuda": True, "ai": False}
+
+
+def test_a_node_advertises_its_environments(db):
+    node = make_node()
+    Environment.objects.create(name="old")
+    Environment.objects.get(name="old").nodes.add(node)
+
+    unknown = Environment.advertise(node, ["ai", "nope"])
+
+    assert unknown == ["nope"]
+    assert list(node.environments.values_list("name", flat=True)) == ["ai"]
+
+
+def test_ranks_get_torchrun_style_variables(project, owner):
+    a, b = make_node("node-a"), make_node("node-b")
+    job = make_job(project, owner, nodes=2, gpus_per_node=4)
+    placement = [{"rank": 0, "node_id": a.pk, "gpus": [0]}, {"rank": 1, "node_id": b.pk, "gpus": [0]}]
+    attempt = Attempt.objects.create(job=job, number=1, node=a, placement=placement, queued_at=job.queued_at)
+
+    env = rank_env(attempt, 1, "gpu-host-a")
+
+    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "gpu-host-a"
+    assert (env["WORLD_SIZE"], env["RANK"], env["NODE_RANK"], env["LOCAL_RANK"]) == ("2", "1", "1", "0")
+    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(29500 + attempt.pk % 1000)
+    assert (env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("2", "1", "4")
+
+
+def test_a_rank_that_aborts_at_exit_gets_the_barrier_hint():
+    from jobs.execution import abort_hint
+
+    assert "dist.barrier()" in abort_hint(-6, world_size=2)
+    assert "dist.barrier()" in abort_hint(134, world_size=2)
+    assert abort_hint(-6, world_size=1) == "" and abort_hint(1, world_size=2) == ""
