@@ -52,6 +52,15 @@ def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None
 
 
 @pytest.fixture(autouse=True)
+def fresh_cache():
+    # Rate-limit counters live in the cache and are keyed by token or user id,
+    # which the next test's rolled-back database hands out again.
+    from django.core.cache import cache
+
+    cache.clear()
+
+
+@pytest.fixture(autouse=True)
 def fast_password_hashing(settings):
     # The default PBKDF2 costs about a second per user made; tests make several.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -14,6 +14,8 @@ from asgiref.sync import sync_to_async
 from django.core.handlers.asgi import ASGIRequest
 from django.http import StreamingHttpResponse
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -40,10 +42,27 @@ def parse_filter(request) -> LogFilter:
         raise serializers.ValidationError({exc.field: exc.message})
 
 
+FILTER_PARAMETERS = [
+    OpenApiParameter(name, kind)
+    for name, kind in (
+        ("attempt", int), ("node", str), ("rank", int), ("severity", str), ("since", str), ("until", str),
+        ("last_minutes", int), ("q", str), ("regex", bool),
+    )
+]  # fmt: skip
+
+
 class JobLogsView(APIView):
     """Matching lines after a cursor, and the cursor to pass next. With follow=1 the request
     waits up to `wait` seconds (default 20) for a line when none is there yet."""
 
+    @extend_schema(
+        parameters=[
+            *FILTER_PARAMETERS,
+            *(OpenApiParameter(n, int) for n in ("after_attempt", "after_seq", "limit", "wait")),
+            OpenApiParameter("follow", bool),
+        ],
+        responses=OpenApiTypes.OBJECT,
+    )
     def get(self, request, pk: int):
         job = visible_job(request, pk)
         log_filter = parse_filter(request)
@@ -76,6 +95,9 @@ class JobLogsView(APIView):
 class JobLogDownloadView(APIView):
     """The whole (filtered) log as plain text or JSON lines, streamed in chunks read by cursor."""
 
+    @extend_schema(
+        parameters=[*FILTER_PARAMETERS, OpenApiParameter("as", str, enum=["text", "jsonl"])], responses=OpenApiTypes.STR
+    )
     def get(self, request, pk: int):
         job = visible_job(request, pk)
         log_filter = parse_filter(request)

@@ -221,6 +221,7 @@ def queue_job(job: Job) -> dict:
 class QueueView(APIView):
     """GET /api/v1/queue/?project=slug"""
 
+    @extend_schema(parameters=[OpenApiParameter("project", str)], responses=OpenApiTypes.OBJECT)
     def get(self, request):
         return Response(queue_state(request.user, request.query_params.get("project", "")))
 

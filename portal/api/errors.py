@@ -63,8 +63,10 @@ def exception_handler(exc, context):
         exc = exceptions.PermissionDenied()
     elif isinstance(exc, exceptions.Throttled):
         wait = max(1, round(exc.wait or 1))
-        exc = exceptions.Throttled(
-            wait, detail=f"rate limit of this API token exceeded; retry after {wait}s (see the Retry-After header)"
+        exc = exceptions.Throttled(wait)
+        # Set after construction: DRF would append its own "Expected available in ..." sentence.
+        exc.detail = exceptions.ErrorDetail(
+            f"rate limit of this API token exceeded; retry after {wait}s (see the Retry-After header)", "throttled"
         )
     response = drf_exception_handler(exc, context)
     if response is None:
