@@ -95,13 +95,12 @@ class Runner:
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
-        from fleet.preflight import failed_checks
+        from fleet.preflight import run_preflight
 
-        failures = failed_checks(self.attempt.node, self.attempt.gpu_indices, self.job.gpu_type)
+        failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
         if failures:
             reason = "preflight failed: " + "; ".join(failures)
             self.system(reason, error=True)
-            self.attempt.node.cordon(None, reason)
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         try:
             self.proc = self.start_process()

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
+from fleet.agent import observe_output
 from jobs.logparse import decode_line, severity_of
 from jobs.messages import LogAppendedHint, job_group
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine, Severity, Stream
@@ -103,6 +104,7 @@ class LogWriter(threading.Thread):
         else:
             text = decode_line(raw, truncated=flag)
             severity = severity_of(text, stream)
+            observe_output(self.attempt, text)  # NCCL/ECC/Xid in the job's output: fleet health
         attempt = self.attempt
         return LogLine(
             job_id=attempt.job_id,

@@ -240,6 +240,15 @@ HANGAR_MAX_REQUEUES = env_int("HANGAR_MAX_REQUEUES", 5, minimum=0)
 HANGAR_LOG_LINE_MAX_BYTES = env_int("HANGAR_LOG_LINE_MAX_BYTES", 16 * 1024, minimum=256)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 
+# --- Fleet health ----------------------------------------------------------
+# Finding kinds (ecc, gpu_lost, nccl, thermal, power; Xids follow the Xid policy
+# table) that cordon the node, and those that also stop and requeue its job.
+HANGAR_HEALTH_CORDON_KINDS = env_list("HANGAR_HEALTH_CORDON_KINDS", ["ecc", "gpu_lost", "nccl"])
+HANGAR_HEALTH_STOP_JOB_KINDS = env_list("HANGAR_HEALTH_STOP_JOB_KINDS", ["ecc", "gpu_lost", "nccl", "xid"])
+HANGAR_PREFLIGHT_MAX_TEMP_C = env_float("HANGAR_PREFLIGHT_MAX_TEMP_C", 85.0)
+HANGAR_TELEMETRY_RAW_HOURS = env_float("HANGAR_TELEMETRY_RAW_HOURS", 24.0, minimum=0.01)
+HANGAR_FLEET_POLL_SECONDS = env_float("HANGAR_FLEET_POLL_SECONDS", 2.0, minimum=0.1)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
