@@ -1,0 +1,93 @@
+"""Plotly figures of a node's telemetry, built in Python and shipped as JSON to the bundled plotly.js."""
+
+from datetime import UTC, datetime
+
+import plotly.graph_objects as go
+from django.db.models import Sum
+from django.utils import timezone
+from plotly.subplots import make_subplots
+
+from fleet.models import Node, TelemetrySample
+
+MAX_POINTS = 360  # per GPU and metric: enough for the eye, small enough for the browser
+PANELS = [
+    ("utilization_pct", "Utilisation (%)"),
+    ("temperature_c", "Temperature (°C)"),
+    ("power_w", "Power (W)"),
+    ("memory_used_mb", "Memory used (MiB)"),
+    ("sm_clock_mhz", "SM clock (MHz)"),
+]
+
+
+def bucketed(node: Node, since: datetime) -> dict[int, list[tuple]]:
+    """Per GPU, (time, metric values...) averaged into at most MAX_POINTS buckets over the window."""
+    span = max(1.0, (timezone.now() - since).total_seconds())
+    bucket_s = max(1.0, span / MAX_POINTS)
+    names = [name for name, _ in PANELS]
+    rows = (
+        TelemetrySample.objects.filter(node=node, at__gte=since).order_by("at").values_list("gpu_index", "at", *names)
+    )
+    sums: dict[tuple[int, int], list] = {}
+    for gpu, at, *values in rows.iterator(chunk_size=5000):
+        key = (gpu, int(at.timestamp() // bucket_s))
+        acc = sums.setdefault(key, [0] + [0.0] * len(values) + [0] * len(values))
+        acc[0] += 1
+        for i, value in enumerate(values):
+            if value is not None:
+                acc[1 + i] += value
+                acc[1 + len(values) + i] += 1
+    out: dict[int, list[tuple]] = {}
+    n = len(names)
+    for (gpu, bucket), acc in sorted(sums.items()):
+        at = datetime.fromtimestamp(bucket * bucket_s, tz=UTC)
+        means = [acc[1 + i] / acc[1 + n + i] if acc[1 + n + i] else None for i in range(n)]
+        out.setdefault(gpu, []).append((at, *means))
+    return out
+
+
+def node_figure_json(node: Node, since: datetime) -> str:
+    series = bucketed(node, since)
+    figure = make_subplots(rows=len(PANELS), cols=1, shared_xaxes=True, subplot_titles=[t for _, t in PANELS])
+    for gpu, points in sorted(series.items()):
+        times = [p[0] for p in points]
+        for row, _ in enumerate(PANELS, start=1):
+            figure.add_trace(
+                go.Scattergl(
+                    x=times,
+                    y=[p[row] for p in points],
+                    name=f"GPU {gpu}",
+                    legendgroup=f"gpu{gpu}",
+                    showlegend=row == 1,
+                    mode="lines",
+                ),
+                row=row,
+                col=1,
+            )
+    figure.update_layout(height=180 * len(PANELS), margin={"l": 50, "r": 10, "t": 30, "b": 30}, template="plotly_white")
+    return figure.to_json()
+
+
+def with_throttle_seconds(node: Node, attempts: list) -> list:
+    """Annotate attempts with the seconds their GPUs spent thermal- and power-throttled on this node."""
+    now = timezone.now()
+    for attempt in attempts:
+        attempt.thermal_s = attempt.power_s = 0.0
+        if attempt.running_at is None:
+            continue
+        totals = TelemetrySample.objects.filter(
+            node=node,
+            gpu_index__in=attempt.gpu_indices,
+            at__gte=attempt.running_at,
+            at__lte=attempt.finished_at or now,
+        ).aggregate(thermal=Sum("thermal_throttle_s"), power=Sum("power_throttle_s"))
+        attempt.thermal_s, attempt.power_s = totals["thermal"] or 0.0, totals["power"] or 0.0
+    return attempts
+
+
+def straggler(throttled_s_by_node: dict[str, float]) -> str | None:
+    """In a multi-node job every rank waits for the slowest: the node that spent the most time throttled,
+    or None when none throttled."""
+    if not throttled_s_by_node:
+        return None
+    name, seconds = max(throttled_s_by_node.items(), key=lambda item: (item[1], item[0]))
+    return name if seconds > 0 else None
