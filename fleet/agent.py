@@ -101,8 +101,9 @@ class Agent:
                 continue
             gpu.apply(sample, now)
             rows.append(TelemetrySample.from_sample(self.node, sample, now, self.heartbeat_seconds))
-        GPU.objects.bulk_update(gpus.values(), [*GPU.TELEMETRY_FIELDS, "last_xid", "last_xid_at"])
-        TelemetrySample.objects.bulk_create(rows)
+        with transaction.atomic():
+            GPU.save_telemetry(gpus.values())
+            TelemetrySample.objects.bulk_create(rows)
 
     def compact(self) -> None:
         if time.monotonic() < self.next_compact:

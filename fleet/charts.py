@@ -1,15 +1,15 @@
 """Plotly figures of a node's telemetry, built in Python and shipped as JSON to the bundled plotly.js."""
 
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 
 import plotly.graph_objects as go
-from django.db.models import Sum
+from django.db.models import Avg, Sum
+from django.db.models.functions import TruncHour, TruncMinute
 from django.utils import timezone
 from plotly.subplots import make_subplots
 
 from fleet.models import Node, TelemetrySample
 
-MAX_POINTS = 360  # per GPU and metric: enough for the eye, small enough for the browser
 PANELS = [
     ("utilization_pct", "Utilisation (%)"),
     ("temperature_c", "Temperature (°C)"),
@@ -20,28 +20,25 @@ PANELS = [
 
 
 def bucketed(node: Node, since: datetime) -> dict[int, list[tuple]]:
-    """Per GPU, (time, metric values...) averaged into at most MAX_POINTS buckets over the window."""
-    span = max(1.0, (timezone.now() - since).total_seconds())
-    bucket_s = max(1.0, span / MAX_POINTS)
+    """Per GPU, (time, metric values...) over the window: raw samples up to an hour, then averaged
+    per minute (up to a day) or per hour in the database, so a day of 5 s samples stays a small reply."""
+    span = timezone.now() - since
     names = [name for name, _ in PANELS]
-    rows = (
-        TelemetrySample.objects.filter(node=node, at__gte=since).order_by("at").values_list("gpu_index", "at", *names)
-    )
-    sums: dict[tuple[int, int], list] = {}
-    for gpu, at, *values in rows.iterator(chunk_size=5000):
-        key = (gpu, int(at.timestamp() // bucket_s))
-        acc = sums.setdefault(key, [0] + [0.0] * len(values) + [0] * len(values))
-        acc[0] += 1
-        for i, value in enumerate(values):
-            if value is not None:
-                acc[1 + i] += value
-                acc[1 + len(values) + i] += 1
+    samples = TelemetrySample.objects.filter(node=node, at__gte=since)
+    if span <= timedelta(hours=1, minutes=1):
+        rows = samples.order_by("at").values_list("gpu_index", "at", *names)
+    else:
+        trunc = TruncMinute("at") if span <= timedelta(days=1, minutes=1) else TruncHour("at")
+        rows = (
+            samples.annotate(bucket=trunc)
+            .values("gpu_index", "bucket")
+            .annotate(**{f"avg_{name}": Avg(name) for name in names})
+            .order_by("bucket")
+            .values_list("gpu_index", "bucket", *[f"avg_{name}" for name in names])
+        )
     out: dict[int, list[tuple]] = {}
-    n = len(names)
-    for (gpu, bucket), acc in sorted(sums.items()):
-        at = datetime.fromtimestamp(bucket * bucket_s, tz=UTC)
-        means = [acc[1 + i] / acc[1 + n + i] if acc[1 + n + i] else None for i in range(n)]
-        out.setdefault(gpu, []).append((at, *means))
+    for gpu, at, *values in rows:
+        out.setdefault(gpu, []).append((at, *values))
     return out
 
 

@@ -3,7 +3,7 @@
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.utils import timezone
 
 from fleet import health
@@ -179,6 +179,18 @@ class GPU(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}/gpu{self.index}"
+
+    @classmethod
+    def save_telemetry(cls, gpus) -> None:
+        """Write the latest telemetry of many GPUs in one statement batch. (bulk_update builds a CASE
+        expression per field and row: at a thousand nodes its CPU cost, not the database, was the limit.)"""
+        names = [*cls.TELEMETRY_FIELDS, "last_xid", "last_xid_at"]
+        fields = [cls._meta.get_field(name) for name in names]
+        assignments = ", ".join(f"{connection.ops.quote_name(f.column)} = %s" for f in fields)
+        sql = f"UPDATE {connection.ops.quote_name(cls._meta.db_table)} SET {assignments} WHERE id = %s"
+        params = [[f.get_db_prep_save(getattr(gpu, f.attname), connection) for f in fields] + [gpu.pk] for gpu in gpus]
+        with connection.cursor() as cursor:
+            cursor.executemany(sql, params)
 
     @property
     def errors(self) -> list[str]:

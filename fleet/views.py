@@ -48,9 +48,26 @@ def fleet(request):
         "states": [(s.value, s.label, counts.get(s.value, 0)) for s in NodeState],
         "total": sum(counts.values()),
         "gpu_models": Node.objects.order_by("gpu_model").values_list("gpu_model", flat=True).distinct(),
-        "initial": [node_wire(n) for n in page.object_list],
     }
+    for node in page.object_list:
+        node.cells = gpu_cells(node)
     return render(request, "fleet/fleet.html", context)
+
+
+def gpu_cells(node: Node) -> list[dict]:
+    """The per-GPU strip of a fleet row, formatted here: template filters over 8,000 cells cost too much."""
+    cells = []
+    for gpu in node_wire(node)["gpus"]:
+        util, temp = _whole(gpu["util"]), _whole(gpu["temp"])
+        title = f"GPU {gpu['index']}: {util}% · {temp}°C · {_whole(gpu['power'])} W · memory {_whole(gpu['mem_pct'])}%"
+        if gpu["errors"]:
+            title += " · " + ", ".join(gpu["errors"])
+        cells.append({"util": util, "temp": temp, "title": title, "badge": gpu["errors"][0] if gpu["errors"] else ""})
+    return cells
+
+
+def _whole(value) -> str:
+    return "–" if value is None else str(round(value))
 
 
 def node_detail(request, name: str):

@@ -204,3 +204,18 @@ def test_the_fleet_websocket_sends_the_pages_nodes(transactional_db, owner):
 
     connected, code, _ = async_to_sync(talk)(AnonymousUser(), "")
     assert not connected and code == 4401
+
+
+def test_long_windows_are_averaged_per_minute_in_the_database(node):
+    from fleet.charts import bucketed
+
+    minute = timezone.now().replace(second=0, microsecond=0) - timedelta(hours=2)
+    TelemetrySample.objects.bulk_create(
+        TelemetrySample(node=node, gpu_index=0, at=minute + timedelta(seconds=s), utilization_pct=u)
+        for s, u in ((5, 10), (25, 20), (45, 60))
+    )
+
+    series = bucketed(node, timezone.now() - timedelta(hours=24))
+
+    ((at, util, *_),) = series[0]
+    assert at == minute and util == pytest.approx(30)
