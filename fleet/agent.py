@@ -156,11 +156,20 @@ def handle_finding(node: Node, finding: health.Finding, attempt=None) -> HealthE
     return event
 
 
+# (attempt, kind, xid) already recorded from a job's output: a job that prints the same
+# NCCL error a thousand times makes one health event, not a thousand.
+_seen_in_output: set[tuple[int, str, int | None]] = set()
+
+
 def observe_output(attempt, text: str) -> None:
     """Called for each line of a job's output: act on NCCL, ECC and Xid errors in it."""
     finding = health.scan_line(text)
     if finding is None:
         return
+    key = (attempt.pk, finding.kind, finding.xid)
+    if key in _seen_in_output:
+        return
+    _seen_in_output.add(key)
     try:
         handle_finding(attempt.node, finding, attempt)
     except DatabaseError as exc:

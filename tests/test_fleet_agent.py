@@ -18,6 +18,7 @@ from tests.conftest import make_attempt, make_job
 
 @pytest.fixture
 def sim_agent(db):
+    agent_module._seen_in_output.clear()
     agent = Agent("sim-1", SimulatedProvider("sim-1", "H100", 4), 5.0)
     agent.register()
     yield agent
@@ -132,7 +133,8 @@ def test_an_injected_nccl_failure_reaches_the_jobs_output(sim_agent, running_on)
 def test_a_fault_in_the_jobs_output_is_recorded_against_its_attempt(sim_agent, running_on):
     runner = running_on([0])
 
-    observe_output(runner.attempt, "host:1:2 [0] NCCL WARN Call to ibv_post_send failed: unhandled system error")
+    for _ in range(3):
+        observe_output(runner.attempt, "host:1:2 [0] NCCL WARN Call to ibv_post_send failed: unhandled system error")
     observe_output(runner.attempt, "epoch 1 loss 0.3")
 
     event = HealthEvent.objects.get()
