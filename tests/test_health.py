@@ -145,3 +145,35 @@ def test_the_policy_is_configurable(node, settings):
     node.refresh_from_db()
     assert node.state == NodeState.CORDONED
     assert health.Kind.THERMAL in node.state_reason
+
+
+def test_the_straggler_is_the_node_that_throttled_most():
+    from fleet.charts import straggler
+
+    assert straggler({"gpu-1": 12.0, "gpu-2": 340.0, "gpu-3": 0.0}) == "gpu-2"
+    assert straggler({"gpu-1": 0.0, "gpu-2": 0.0}) is None
+    assert straggler({}) is None
+
+
+@pytest.mark.parametrize("state", ["cordoned", "draining", "offline", "unhealthy"])
+def test_work_is_never_placed_on_a_node_that_is_out(project, owner, state):
+    from jobs.scheduler import schedule_pass
+    from tests.conftest import make_job, make_node
+
+    make_node("out", state=state)
+    make_job(project, owner)
+
+    assert schedule_pass() == []
+
+
+def test_draining_lets_running_work_finish(project, owner, node):
+    from jobs.models import AttemptState
+    from tests.conftest import make_attempt, make_job
+
+    attempt = make_attempt(make_job(project, owner), node, AttemptState.RUNNING)
+
+    assert node.drain(owner, "reboot after the current jobs")
+
+    attempt.refresh_from_db()
+    node.refresh_from_db()
+    assert attempt.state == AttemptState.RUNNING and node.state == NodeState.DRAINING
