@@ -40,6 +40,11 @@ window.hangarFleet = (function () {
       const message = JSON.parse(event.data);
       if (message.type === "nodes") {
         message.nodes.forEach(patch);
+        document.querySelectorAll("[data-count]").forEach((chip) => {
+          const n = message.counts[chip.dataset.count] || 0;
+          chip.textContent = `${chip.dataset.label} ${n}`;
+          chip.hidden = n === 0;
+        });
         status.textContent = "live · updated " + new Date().toLocaleTimeString();
       }
     };
