@@ -2,21 +2,30 @@
 
 The agent process is a Celery worker consuming its node's queue (see
 `manage.py agent`); this module is the part beside the worker: inventory,
-heartbeats and telemetry.
+heartbeats, telemetry, the health monitor (telemetry and the jobs' own
+output) and fault injection on simulated nodes.
 """
 
 import logging
 import socket
 import threading
+import time
+from datetime import timedelta
 
+from django.conf import settings
 from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from fleet.gpus import GpuProvider
-from fleet.models import GPU, Node
+from fleet import health
+from fleet.gpus import GpuProvider, GpuSample
+from fleet.models import GPU, FaultInjection, HealthEvent, Node, TelemetrySample
 
 log = logging.getLogger("hangar.agent")
+
+# The agent of this process, if it is an agent process: preflight asks its provider.
+CURRENT: "Agent | None" = None
+COMPACT_EVERY_SECONDS = 600
 
 
 def default_node_name() -> str:
@@ -29,9 +38,13 @@ class Agent:
         self.provider = provider
         self.heartbeat_seconds = heartbeat_seconds
         self.node: Node | None = None
+        self.previous: dict[int, GpuSample] = {}
+        self.silent_until = 0.0
+        self.next_compact = 0.0
 
     def register(self) -> Node:
         """Create or update this node and its GPUs from the provider's inventory."""
+        global CURRENT
         inventory = self.provider.inventory()
         model = inventory[0].model if inventory else "none"
         with transaction.atomic():
@@ -53,6 +66,7 @@ class Agent:
                     defaults={"uuid": gpu.uuid, "model": gpu.model, "memory_total_mb": gpu.memory_total_mb},
                 )
         self.node = node
+        CURRENT = self
         self.end_orphaned_attempts()
         node.heartbeat()
         return node
@@ -65,21 +79,50 @@ class Agent:
             attempt.finish(AttemptState.LOST, FailureClass.INFRA, "the node's agent restarted while it ran")
 
     def report(self) -> None:
-        from jobs.execution import RUNNING
+        """One heartbeat: apply injected faults, sample the GPUs, store telemetry, act on findings."""
+        self.apply_faults()
+        if time.monotonic() < self.silent_until:
+            return  # an injected "agent silent" fault: no heartbeat, no telemetry
+        busy = {i for runner in running() for i in runner.attempt.gpu_indices}
+        samples = self.provider.sample(busy)
+        self.store(samples, timezone.now())
+        for finding in health.telemetry_findings(self.previous, samples):
+            handle_finding(self.node, finding)
+        self.previous = {s.index: s for s in samples}
+        self.node.heartbeat()
+        self.compact()
 
-        busy = {i for runner in list(RUNNING.values()) for i in runner.attempt.gpu_indices}
-        now = timezone.now()
+    def store(self, samples: list[GpuSample], now) -> None:
         gpus = {g.index: g for g in self.node.gpus.all()}
-        for sample in self.provider.sample(busy):
+        rows = []
+        for sample in samples:
             gpu = gpus.get(sample.index)
             if gpu is None:
                 continue
-            gpu.utilization_pct, gpu.memory_used_mb = sample.utilization_pct, sample.memory_used_mb
-            gpu.temperature_c, gpu.power_w, gpu.sampled_at = sample.temperature_c, sample.power_w, now
-        GPU.objects.bulk_update(
-            gpus.values(), ["utilization_pct", "memory_used_mb", "temperature_c", "power_w", "sampled_at"]
-        )
-        self.node.heartbeat()
+            gpu.apply(sample, now)
+            rows.append(TelemetrySample.from_sample(self.node, sample, now, self.heartbeat_seconds))
+        with transaction.atomic():
+            GPU.save_telemetry(gpus.values())
+            TelemetrySample.objects.bulk_create(rows)
+
+    def compact(self) -> None:
+        if time.monotonic() < self.next_compact:
+            return
+        self.next_compact = time.monotonic() + COMPACT_EVERY_SECONDS
+        cutoff = timezone.now() - timedelta(hours=settings.HANGAR_TELEMETRY_RAW_HOURS)
+        TelemetrySample.downsample(self.node, cutoff)
+
+    def apply_faults(self) -> None:
+        for fault in FaultInjection.take_pending(self.node):
+            log.warning("injecting fault %s on %s (GPU %s)", fault.kind, self.name, fault.gpu_index)
+            if fault.kind == "agent_silent":
+                self.silent_until = time.monotonic() + fault.seconds
+            elif fault.kind == "nccl":
+                inject_nccl_failure(fault.gpu_index)
+            elif hasattr(self.provider, "inject"):
+                self.provider.inject(fault.kind, fault.gpu_index, fault.xid, fault.seconds)
+            if fault.kind == "clear":
+                self.silent_until = 0.0
 
     def heartbeat_forever(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_seconds):
@@ -88,3 +131,57 @@ class Agent:
             except DatabaseError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 close_old_connections()
+            except Exception:
+                log.exception("heartbeat failed")
+
+
+def running() -> list:
+    from jobs.execution import RUNNING
+
+    return list(RUNNING.values())
+
+
+def handle_finding(node: Node, finding: health.Finding, attempt=None) -> HealthEvent:
+    """Record a finding; when the policy says so, stop the attempts it hit (infra: they are requeued)."""
+    from jobs.models import AttemptState, FailureClass
+
+    event, decision = HealthEvent.record(node, finding, attempt)
+    if decision.stop_job:
+        for runner in running():
+            hit = runner.attempt.pk == getattr(attempt, "pk", None) or (
+                attempt is None and (finding.gpu_index is None or finding.gpu_index in runner.attempt.gpu_indices)
+            )
+            if hit and runner.attempt.node_id == node.pk:
+                runner.request_stop(AttemptState.FAILED, FailureClass.INFRA, f"health: {finding.message}")
+    return event
+
+
+# (attempt, kind, xid) already recorded from a job's output: a job that prints the same
+# NCCL error a thousand times makes one health event, not a thousand.
+_seen_in_output: set[tuple[int, str, int | None]] = set()
+
+
+def observe_output(attempt, text: str) -> None:
+    """Called for each line of a job's output: act on NCCL, ECC and Xid errors in it."""
+    finding = health.scan_line(text)
+    if finding is None:
+        return
+    key = (attempt.pk, finding.kind, finding.xid)
+    if key in _seen_in_output:
+        return
+    _seen_in_output.add(key)
+    try:
+        handle_finding(attempt.node, finding, attempt)
+    except DatabaseError as exc:
+        log.warning("attempt %s: health finding not recorded: %s", attempt.pk, exc)
+
+
+def inject_nccl_failure(gpu_index: int | None) -> None:
+    """A simulated NCCL failure: the line a real job would print, on the stderr of the jobs running there."""
+    from jobs.models import Stream
+
+    for runner in running():
+        if gpu_index is None or gpu_index in runner.attempt.gpu_indices:
+            text = f"node{runner.attempt.node_id}:{runner.proc.pid if runner.proc else 0} NCCL WARN [simulated] "
+            text += "Call to ibv_post_send failed: unhandled system error"
+            runner.lines.put((Stream.STDERR, timezone.now(), text.encode(), False))

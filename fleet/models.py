@@ -1,11 +1,13 @@
 """Nodes and their GPUs, as their agents report them."""
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
-from django.db import models
+from django.db import connection, models, transaction
 from django.utils import timezone
 
+from fleet import health
+from fleet.gpus import FAULT_KINDS, POWER_REASONS, THERMAL_REASONS, GpuSample
 from portal.models import AuditEvent
 
 
@@ -42,6 +44,9 @@ class Node(models.Model):
     state_changed_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    auto_cordoned = models.BooleanField(
+        default=False, help_text="Cordoned by a health check or event: uncordoning runs a burn-in first."
+    )
 
     objects = NodeQuerySet.as_manager()
 
@@ -70,31 +75,47 @@ class Node(models.Model):
         if came_back:
             AuditEvent.record(None, "node.online", self, reason="agent heartbeat resumed")
 
-    def cordon(self, by, reason: str) -> bool:
-        return self._change_state(NodeState.CORDONED, by, reason, "node.cordon")
+    def cordon(self, by, reason: str, evidence: dict | None = None) -> bool:
+        """Take the node out of scheduling (from ready, draining or offline)."""
+        return self._change_state(NodeState.CORDONED, by, reason, "node.cordon", evidence)
 
-    def uncordon(self, by, reason: str) -> bool:
-        return self._change_state(NodeState.READY, by, reason, "node.uncordon")
+    def auto_cordon(self, reason: str, evidence: dict | None = None) -> bool:
+        """A health check or event cordons the node; uncordoning it will need a burn-in."""
+        changed = self._change_state(NodeState.CORDONED, None, reason, "node.auto_cordon", evidence, auto=True)
+        return changed
 
-    def _change_state(self, new: str, by, reason: str, action: str) -> bool:
-        previous = self.state
-        changed = (
-            Node.objects.filter(pk=self.pk, state=previous)
-            .exclude(state=new)
-            .update(state=new, state_reason=reason, state_changed_at=timezone.now(), state_changed_by=by)
+    def drain(self, by, reason: str) -> bool:
+        """No new work; what runs there finishes."""
+        return self._change_state(NodeState.DRAINING, by, reason, "node.drain")
+
+    def uncordon(self, by, reason: str, action: str = "node.uncordon", evidence: dict | None = None) -> bool:
+        return self._change_state(NodeState.READY, by, reason, action, evidence)
+
+    def _change_state(
+        self, new: str, by, reason: str, action: str, evidence: dict | None = None, auto: bool = False
+    ) -> bool:
+        previous = Node.objects.filter(pk=self.pk).values_list("state", flat=True).first()
+        if previous is None or previous == new:
+            return False
+        changed = Node.objects.filter(pk=self.pk, state=previous).update(
+            state=new, state_reason=reason, state_changed_at=timezone.now(), state_changed_by=by, auto_cordoned=auto
         )
         if changed:
-            self.state = new
-            AuditEvent.record(by, action, self, reason=reason, detail={"previous_state": previous})
+            self.state, self.state_reason, self.auto_cordoned = new, reason, auto
+            detail = {"previous_state": previous, **({"evidence": evidence} if evidence else {})}
+            AuditEvent.record(by, action, self, reason=reason, detail=detail)
         return bool(changed)
+
+    def state_history(self) -> models.QuerySet:
+        return AuditEvent.objects.filter(target_type="fleet.node", target_id=str(self.pk)).select_related("actor")
 
     @classmethod
     def mark_silent_offline(cls) -> list["Node"]:
-        """Ready nodes whose heartbeat stopped become offline; returns them.
+        """Ready nodes whose heartbeat stopped become offline; their attempts are lost (infra) and requeued.
 
         A cordoned or draining node keeps its state (and its reason): the
         heartbeat that brings an offline node back makes it ready, and that must
-        not silently undo a person's cordon.
+        not silently undo a person's cordon. Attempts there end by their lease.
         """
         cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
         silent = list(cls.objects.filter(state=NodeState.READY, last_heartbeat_at__lt=cutoff))
@@ -102,8 +123,18 @@ class Node(models.Model):
         for node in silent:
             reason = f"no heartbeat since {node.last_heartbeat_at:%Y-%m-%d %H:%M:%S} UTC"
             if node._change_state(NodeState.OFFLINE, None, reason, "node.offline"):
+                node.lose_attempts(reason)
+                HealthEvent.objects.create(
+                    node=node, kind=health.Kind.HEARTBEAT, severity="critical", message=reason, action="offline"
+                )
                 gone.append(node)
         return gone
+
+    def lose_attempts(self, reason: str) -> None:
+        from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptState, FailureClass
+
+        for attempt in Attempt.objects.filter(node=self, state__in=ACTIVE_ATTEMPT_STATES):
+            attempt.finish(AttemptState.LOST, FailureClass.INFRA, f"node {self.name} went offline: {reason}")
 
 
 class GPU(models.Model):
@@ -116,7 +147,31 @@ class GPU(models.Model):
     memory_used_mb = models.FloatField(null=True, blank=True)
     temperature_c = models.FloatField(null=True, blank=True)
     power_w = models.FloatField(null=True, blank=True)
+    sm_clock_mhz = models.FloatField(null=True, blank=True)
+    throttle_reasons = models.JSONField(default=list, blank=True)
+    ecc_uncorrected_volatile = models.PositiveIntegerField(default=0)
+    ecc_uncorrected_aggregate = models.PositiveIntegerField(default=0)
+    retired_pages_pending = models.BooleanField(default=False)
+    remapped_rows_pending = models.BooleanField(default=False)
+    lost = models.BooleanField(default=False, help_text="Fell off the bus: the driver no longer answers for it.")
+    last_xid = models.PositiveIntegerField(null=True, blank=True)
+    last_xid_at = models.DateTimeField(null=True, blank=True)
     sampled_at = models.DateTimeField(null=True, blank=True)
+
+    TELEMETRY_FIELDS = [
+        "utilization_pct",
+        "memory_used_mb",
+        "temperature_c",
+        "power_w",
+        "sm_clock_mhz",
+        "throttle_reasons",
+        "ecc_uncorrected_volatile",
+        "ecc_uncorrected_aggregate",
+        "retired_pages_pending",
+        "remapped_rows_pending",
+        "lost",
+        "sampled_at",
+    ]
 
     class Meta:
         ordering = ["node", "index"]
@@ -124,3 +179,278 @@ class GPU(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}/gpu{self.index}"
+
+    @classmethod
+    def save_telemetry(cls, gpus) -> None:
+        """Write the latest telemetry of many GPUs in one statement batch. (bulk_update builds a CASE
+        expression per field and row: at a thousand nodes its CPU cost, not the database, was the limit.)"""
+        names = [*cls.TELEMETRY_FIELDS, "last_xid", "last_xid_at"]
+        fields = [cls._meta.get_field(name) for name in names]
+        assignments = ", ".join(f"{connection.ops.quote_name(f.column)} = %s" for f in fields)
+        sql = f"UPDATE {connection.ops.quote_name(cls._meta.db_table)} SET {assignments} WHERE id = %s"
+        params = [[f.get_db_prep_save(getattr(gpu, f.attname), connection) for f in fields] + [gpu.pk] for gpu in gpus]
+        with connection.cursor() as cursor:
+            cursor.executemany(sql, params)
+
+    @property
+    def errors(self) -> list[str]:
+        """Short badges for the fleet page."""
+        out = []
+        if self.lost:
+            out.append("lost")
+        if self.ecc_uncorrected_volatile:
+            out.append(f"ECC {self.ecc_uncorrected_volatile}")
+        if self.retired_pages_pending or self.remapped_rows_pending:
+            out.append("pages pending")
+        if self.last_xid is not None:
+            out.append(f"Xid {self.last_xid}")
+        if set(self.throttle_reasons) & THERMAL_REASONS:
+            out.append("thermal")
+        if set(self.throttle_reasons) & POWER_REASONS:
+            out.append("power")
+        return out
+
+    def apply(self, sample: GpuSample, at) -> None:
+        """Copy a provider's sample onto this row (the latest telemetry). A lost GPU keeps its last values."""
+        self.lost, self.sampled_at = sample.lost, at
+        if not sample.lost:
+            for name in self.TELEMETRY_FIELDS[:-2]:
+                setattr(self, name, getattr(sample, name))
+            self.throttle_reasons = list(sample.throttle_reasons)
+        if sample.xids:
+            self.last_xid, self.last_xid_at = sample.xids[-1], at
+
+
+class TelemetryQuerySet(models.QuerySet):
+    def bulk_create(self, objs, *args, **kwargs):
+        objs = list(objs)
+        for row in objs:
+            row.epoch_minute = int(row.at.timestamp() // 60)
+        return super().bulk_create(objs, *args, **kwargs)
+
+
+class TelemetrySample(models.Model):
+    """One GPU's telemetry at one time. Raw samples (`period_s`=0) older than
+    HANGAR_TELEMETRY_RAW_HOURS are folded into one-minute averages (`period_s`=60)."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples")
+    gpu_index = models.PositiveSmallIntegerField()
+    at = models.DateTimeField()
+    # Whole minutes since the epoch: charts average by it (an integer GROUP BY is fast on every
+    # database; truncating timestamps per row is not, on SQLite).
+    epoch_minute = models.PositiveIntegerField(default=0)
+    period_s = models.PositiveIntegerField(default=0)
+    utilization_pct = models.FloatField(null=True)
+    memory_used_mb = models.FloatField(null=True)
+    temperature_c = models.FloatField(null=True)
+    power_w = models.FloatField(null=True)
+    sm_clock_mhz = models.FloatField(null=True)
+    thermal_throttle_s = models.FloatField(default=0, help_text="Seconds throttled for heat in this sample's period.")
+    power_throttle_s = models.FloatField(default=0, help_text="Seconds throttled for power in this sample's period.")
+    ecc_uncorrected = models.PositiveIntegerField(default=0)
+
+    VALUES = ["utilization_pct", "memory_used_mb", "temperature_c", "power_w", "sm_clock_mhz"]
+
+    objects = TelemetryQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["node", "at"])]
+
+    def save(self, *args, **kwargs):
+        self.epoch_minute = int(self.at.timestamp() // 60)
+        super().save(*args, **kwargs)
+
+    @classmethod
+    def from_sample(cls, node: Node, sample: GpuSample, at, interval_s: float) -> "TelemetrySample":
+        return cls(
+            node=node,
+            gpu_index=sample.index,
+            at=at,
+            epoch_minute=int(at.timestamp() // 60),
+            utilization_pct=sample.utilization_pct,
+            memory_used_mb=sample.memory_used_mb,
+            temperature_c=sample.temperature_c,
+            power_w=sample.power_w,
+            sm_clock_mhz=sample.sm_clock_mhz,
+            thermal_throttle_s=interval_s if sample.thermal_throttled else 0.0,
+            power_throttle_s=interval_s if sample.power_throttled else 0.0,
+            ecc_uncorrected=sample.ecc_uncorrected_volatile,
+        )
+
+    @classmethod
+    def downsample(cls, node: Node, older_than, bucket_s: int = 60) -> int:
+        """Fold raw samples older than `older_than` into `bucket_s` averages; returns raw rows removed."""
+        raw = list(
+            cls.objects.filter(node=node, period_s=0, at__lt=older_than)
+            .order_by("at")
+            .values("pk", "gpu_index", "at", "thermal_throttle_s", "power_throttle_s", "ecc_uncorrected", *cls.VALUES)
+        )
+        if not raw:
+            return 0
+        buckets: dict[tuple[int, int], list[dict]] = {}
+        for row in raw:
+            key = (row["gpu_index"], int(row["at"].timestamp()) // bucket_s)
+            buckets.setdefault(key, []).append(row)
+        folded = [cls._fold(node, gpu, start * bucket_s, bucket_s, rows) for (gpu, start), rows in buckets.items()]
+        with transaction.atomic():
+            cls.objects.bulk_create(folded, batch_size=1000)
+            ids = [row["pk"] for row in raw]
+            for i in range(0, len(ids), 900):
+                cls.objects.filter(pk__in=ids[i : i + 900]).delete()
+        return len(raw)
+
+    @classmethod
+    def _fold(cls, node: Node, gpu: int, start: int, bucket_s: int, rows: list[dict]) -> "TelemetrySample":
+        def mean(name):
+            values = [r[name] for r in rows if r[name] is not None]
+            return sum(values) / len(values) if values else None
+
+        return cls(
+            node=node,
+            gpu_index=gpu,
+            at=datetime.fromtimestamp(start, tz=UTC),
+            epoch_minute=start // 60,
+            period_s=bucket_s,
+            thermal_throttle_s=sum(r["thermal_throttle_s"] for r in rows),
+            power_throttle_s=sum(r["power_throttle_s"] for r in rows),
+            ecc_uncorrected=max(r["ecc_uncorrected"] for r in rows),
+            **{name: mean(name) for name in cls.VALUES},
+        )
+
+
+class HealthCheck(models.Model):
+    """One preflight or burn-in check on a node, with how long it took and what it saw."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="checks")
+    attempt = models.ForeignKey("jobs.Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    suite = models.CharField(max_length=16, default="preflight")  # preflight | burn-in
+    name = models.CharField(max_length=32)
+    passed = models.BooleanField()
+    duration_ms = models.FloatField()
+    evidence = models.TextField(blank=True)
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["node", "at"])]
+
+
+class HealthEvent(models.Model):
+    """Something seen on a node (telemetry, a job's output, a lost heartbeat) and what was done about it."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="events")
+    gpu_index = models.PositiveSmallIntegerField(null=True, blank=True)
+    attempt = models.ForeignKey("jobs.Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    kind = models.CharField(max_length=16)
+    severity = models.CharField(max_length=8)
+    xid = models.PositiveIntegerField(null=True, blank=True)
+    message = models.TextField()
+    evidence = models.JSONField(default=dict, blank=True)
+    action = models.CharField(max_length=64, blank=True, help_text="What the policy did: cordoned, job stopped, ...")
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["node", "at"])]
+
+    @property
+    def severity_colour(self) -> str:
+        return {"critical": "red", "warning": "orange"}.get(self.severity, "grey")
+
+    @classmethod
+    def record(cls, node: Node, finding: health.Finding, attempt=None) -> tuple["HealthEvent", health.Decision]:
+        """Store the finding and apply the policy to the node: cordon it when the decision says so."""
+        rule = XidPolicy.rule_for(finding.xid) if finding.xid is not None else None
+        recent = 0
+        if rule is not None and rule.action == health.Action.TREND:
+            since = timezone.now() - timedelta(minutes=rule.window_minutes)
+            recent = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since).count()
+        decision = health.decide(finding, health_policy(), rule, recent)
+        actions = [a for a, on in (("cordoned", decision.cordon), ("job stopped", decision.stop_job)) if on]
+        evidence = {**finding.evidence, "decision": decision.why}
+        event = cls.objects.create(
+            node=node,
+            gpu_index=finding.gpu_index,
+            attempt=attempt,
+            kind=finding.kind,
+            severity=finding.severity,
+            xid=finding.xid,
+            message=finding.message,
+            evidence=evidence,
+            action=", ".join(actions) or "recorded",
+        )
+        if decision.cordon:
+            node.auto_cordon(f"{finding.message} ({decision.why})", {"health_event": event.pk, **evidence})
+        return event, decision
+
+
+def health_policy() -> health.Policy:
+    return health.Policy(
+        cordon_kinds=frozenset(settings.HANGAR_HEALTH_CORDON_KINDS),
+        stop_kinds=frozenset(settings.HANGAR_HEALTH_STOP_JOB_KINDS),
+    )
+
+
+class XidPolicy(models.Model):
+    """What an Xid means for the node: the default table is seeded by a migration; operators edit it."""
+
+    ACTIONS = [
+        (health.Action.CORDON, "Cordon"),
+        (health.Action.TREND, "Record and trend"),
+        (health.Action.IGNORE, "Ignore (application)"),
+    ]
+
+    xid = models.PositiveIntegerField(unique=True)
+    action = models.CharField(max_length=8, choices=ACTIONS)
+    threshold = models.PositiveSmallIntegerField(
+        default=health.DEFAULT_XID_THRESHOLD, help_text="Trend: cordon at this many in the window."
+    )
+    window_minutes = models.PositiveIntegerField(default=health.DEFAULT_XID_WINDOW_MINUTES)
+    description = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["xid"]
+        verbose_name = "Xid policy"
+        verbose_name_plural = "Xid policy"
+
+    def __str__(self) -> str:
+        return f"Xid {self.xid}: {self.action}"
+
+    @classmethod
+    def rule_for(cls, xid: int) -> health.XidRule:
+        row = cls.objects.filter(xid=xid).first()
+        if row is not None:
+            return health.XidRule(row.action, row.threshold, row.window_minutes)
+        if xid in health.DEFAULT_XID_POLICY:
+            return health.XidRule(health.DEFAULT_XID_POLICY[xid][0])
+        return health.XidRule(health.Action.TREND)
+
+
+class FaultInjection(models.Model):
+    """A fault to inject on a simulated node; its agent picks it up at its next heartbeat."""
+
+    KINDS = [(k, k) for k in FAULT_KINDS]
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="faults")
+    kind = models.CharField(max_length=16, choices=KINDS)
+    gpu_index = models.PositiveSmallIntegerField(null=True, blank=True, help_text="Blank: every GPU.")
+    xid = models.PositiveIntegerField(null=True, blank=True)
+    seconds = models.FloatField(default=30.0, help_text="How long throttling or silence lasts.")
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    applied_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} on {self.node}"
+
+    @classmethod
+    def take_pending(cls, node: Node) -> list["FaultInjection"]:
+        """Faults not yet applied on this node, claimed so that each is applied once."""
+        taken = []
+        for fault in cls.objects.filter(node=node, applied_at=None).order_by("pk"):
+            if cls.objects.filter(pk=fault.pk, applied_at=None).update(applied_at=timezone.now()):
+                taken.append(fault)
+        return taken

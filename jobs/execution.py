@@ -95,8 +95,11 @@ class Runner:
             attempt.node if placement["node_id"] == attempt.node_id else Node.objects.get(pk=placement["node_id"])
         )
         self.gpus: list[int] = placement["gpus"]
-        # The agent's telemetry reads the GPUs a runner holds from its attempt.
+        # This runner's view of its attempt is its rank's placement: the agent's
+        # telemetry, preflight and output monitoring read node and GPUs from it.
+        # (Never saved: attempt rows change only through conditional updates.)
         attempt.gpu_indices = self.gpus
+        attempt.node = self.node
         self.lines: queue.Queue = queue.Queue()
         self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
@@ -126,13 +129,12 @@ class Runner:
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
-        from fleet.preflight import failed_checks
+        from fleet.preflight import run_preflight
 
-        failures = failed_checks(self.node, self.gpus, self.job.gpu_type)
+        failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
         if failures:
             reason = "preflight failed: " + "; ".join(failures)
             self.system(reason, error=True)
-            self.node.cordon(None, reason)
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         try:
             self.proc = self.start_process()

@@ -33,6 +33,7 @@ from django.db import DatabaseError, close_old_connections, connection, transact
 from django.db.models import Max
 from django.utils import timezone
 
+from fleet.agent import observe_output
 from jobs.logparse import SeverityReader, decode_line, is_fault
 from jobs.messages import LogAppendedHint, job_group
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine, Severity, Stream
@@ -259,6 +260,7 @@ class LogWriter(threading.Thread):
         else:
             text = decode_line(raw, truncated=flag)
             severity = self.severity[stream](text)
+            observe_output(self.attempt, text)  # NCCL/ECC/Xid in the job's output: fleet health
         attempt = self.attempt
         return NewLine(
             job_id=attempt.job_id,

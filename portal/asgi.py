@@ -13,6 +13,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path  # noqa: E402
 
+from fleet.consumers import FleetConsumer  # noqa: E402
 from jobs.consumers import JobLogConsumer  # noqa: E402
 from portal.auth import WebsocketTokenMiddleware  # noqa: E402
 
@@ -27,6 +28,7 @@ class BrowserOriginValidator(OriginValidator):
 
 websocket_urlpatterns = [
     path("ws/jobs/<int:job_id>/logs/", JobLogConsumer.as_asgi()),
+    path("ws/fleet/", FleetConsumer.as_asgi()),
 ]
 
 application = ProtocolTypeRouter(

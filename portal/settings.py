@@ -317,6 +317,23 @@ HANGAR_PREEMPT_GRACE_SECONDS = env_float("HANGAR_PREEMPT_GRACE_SECONDS", 60.0)
 HANGAR_MAX_PREEMPTIONS = env_int("HANGAR_MAX_PREEMPTIONS", 20, minimum=0)
 HANGAR_MASTER_PORT_BASE = env_int("HANGAR_MASTER_PORT_BASE", 29500, minimum=1024)
 HANGAR_DOCKER = env_str("HANGAR_DOCKER", "docker")
+# --- Fleet health ----------------------------------------------------------
+# Finding kinds (ecc, gpu_lost, nccl, thermal, power; Xids follow the Xid policy
+# table) that cordon the node, and those that also stop and requeue its job.
+HANGAR_HEALTH_CORDON_KINDS = env_list("HANGAR_HEALTH_CORDON_KINDS", ["ecc", "gpu_lost", "nccl"])
+HANGAR_HEALTH_STOP_JOB_KINDS = env_list("HANGAR_HEALTH_STOP_JOB_KINDS", ["ecc", "gpu_lost", "nccl", "xid"])
+_HEALTH_KINDS = {"ecc", "gpu_lost", "nccl", "xid", "thermal", "power"}
+for _name, _kinds in (
+    ("HANGAR_HEALTH_CORDON_KINDS", HANGAR_HEALTH_CORDON_KINDS),
+    ("HANGAR_HEALTH_STOP_JOB_KINDS", HANGAR_HEALTH_STOP_JOB_KINDS),
+):
+    if unknown := set(_kinds) - _HEALTH_KINDS:
+        raise ImproperlyConfigured(
+            f"{_name} has unknown kinds {sorted(unknown)}; use {', '.join(sorted(_HEALTH_KINDS))}"
+        )
+HANGAR_PREFLIGHT_MAX_TEMP_C = env_float("HANGAR_PREFLIGHT_MAX_TEMP_C", 85.0)
+HANGAR_TELEMETRY_RAW_HOURS = env_float("HANGAR_TELEMETRY_RAW_HOURS", 24.0, minimum=0.01)
+HANGAR_FLEET_POLL_SECONDS = env_float("HANGAR_FLEET_POLL_SECONDS", 2.0, minimum=0.1)
 
 LOGGING = {
     "version": 1,

@@ -1,7 +1,5 @@
 """GPU providers (the simulator and NVML behind a fake pynvml) and the agent's registration."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from fleet.agent import Agent
@@ -9,6 +7,7 @@ from fleet.gpus import GpuInfo, NvmlProvider, SimulatedProvider, detect_provider
 from fleet.models import GPU, Node
 from jobs.models import AttemptState, FailureClass, Job, JobState
 from tests.conftest import make_attempt, make_job
+from tests.fakenvml import FakeNvml, device
 
 # --- The simulator ---------------------------------------------------------------
 
@@ -83,49 +82,26 @@ def test_a_name_without_a_model_number_is_kept():
 
 # --- NVML, through a fake pynvml ------------------------------------------------------
 
-MIB = 1024 * 1024
 
-
-class FakeNvml:
-    """The few pynvml calls the provider makes, over two devices."""
-
-    NVML_TEMPERATURE_GPU = 0
-
-    def __init__(self):
-        self.devices = [
-            {"name": b"NVIDIA H100 80GB HBM3", "uuid": b"GPU-aaaa", "total": 81559 * MIB, "used": 1024 * MIB},
-            {"name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-bbbb", "total": 81920 * MIB, "used": 512.5 * MIB},
+def two_gpus() -> FakeNvml:
+    return FakeNvml(
+        [
+            device(name=b"NVIDIA H100 80GB HBM3", uuid=b"GPU-aaaa", used_mb=1024, util=87, temp=71, power_mw=612345),
+            device(
+                name="NVIDIA A100-SXM4-80GB",
+                uuid="GPU-bbbb",
+                total_mb=81920,
+                used_mb=512.5,
+                util=3,
+                temp=34,
+                power_mw=58000,
+            ),
         ]
-
-    def nvmlDeviceGetCount(self):
-        return len(self.devices)
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return index
-
-    def nvmlDeviceGetName(self, handle):
-        return self.devices[handle]["name"]
-
-    def nvmlDeviceGetUUID(self, handle):
-        return self.devices[handle]["uuid"]
-
-    def nvmlDeviceGetMemoryInfo(self, handle):
-        device = self.devices[handle]
-        return SimpleNamespace(total=device["total"], used=device["used"], free=device["total"] - device["used"])
-
-    def nvmlDeviceGetUtilizationRates(self, handle):
-        return SimpleNamespace(gpu=[87, 3][handle], memory=40)
-
-    def nvmlDeviceGetTemperature(self, handle, sensor):
-        assert sensor == self.NVML_TEMPERATURE_GPU
-        return [71, 34][handle]
-
-    def nvmlDeviceGetPowerUsage(self, handle):
-        return [612345, 58000][handle]  # milliwatts
+    )
 
 
 def test_nvml_inventory_decodes_names_and_converts_memory():
-    provider = NvmlProvider(FakeNvml())
+    provider = NvmlProvider(two_gpus())
 
     assert not provider.simulated
     assert provider.inventory() == [
@@ -136,7 +112,7 @@ def test_nvml_inventory_decodes_names_and_converts_memory():
 
 
 def test_nvml_samples_convert_units():
-    first, second = NvmlProvider(FakeNvml()).sample(busy=set())
+    first, second = NvmlProvider(two_gpus()).sample(busy=set())
 
     assert (first.index, first.utilization_pct, first.memory_used_mb) == (0, 87.0, 1024.0)
     assert (first.temperature_c, first.power_w) == (71.0, pytest.approx(612.345))
