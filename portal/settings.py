@@ -240,6 +240,12 @@ HANGAR_MAX_REQUEUES = env_int("HANGAR_MAX_REQUEUES", 5, minimum=0)
 HANGAR_LOG_LINE_MAX_BYTES = env_int("HANGAR_LOG_LINE_MAX_BYTES", 16 * 1024, minimum=256)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 
+# --- Experiment tracking (jobs/tracking.py) ---------------------------------
+# Embedded default: a local MLflow store in the data directory, no server.
+MLFLOW_TRACKING_URI = env_str("MLFLOW_TRACKING_URI", f"sqlite:///{(DATA_DIR / 'mlflow.db').as_posix()}")
+HANGAR_MLFLOW = env_bool("HANGAR_MLFLOW", True)
+HANGAR_MLFLOW_UI_URL = env_str("HANGAR_MLFLOW_UI_URL").rstrip("/")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -15,6 +15,7 @@ urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("jobs/", include("jobs.urls")),
+    path("costs/", include("jobs.urls_costs")),
     path("api/v1/", include(api_v1)),
     path("admin/", admin.site.urls),
 ]

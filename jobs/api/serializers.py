@@ -6,6 +6,7 @@ from django.db.models import Max
 from rest_framework import serializers
 
 from fleet.models import Node
+from jobs.api.costs import check_budget
 from jobs.models import Attempt, Job, JobEvent, Priority
 from jobs.scheduler import request_pass
 from portal.models import Project, Role
@@ -73,6 +74,11 @@ class JobSubmitSerializer(serializers.Serializer):
         },
     )
 
+    code_version = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    environment = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    config = serializers.JSONField(required=False)
+    data_refs = serializers.ListField(child=serializers.CharField(), required=False)
+
     def validate(self, attrs):
         unknown = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
         if unknown:
@@ -80,6 +86,7 @@ class JobSubmitSerializer(serializers.Serializer):
                 {name: f"is not a job field; known fields are {', '.join(self.fields)}" for name in unknown}
             )
         self.check_capacity(attrs)
+        check_budget(attrs["project"])
         return attrs
 
     def validate_project(self, slug: str) -> Project:
@@ -129,6 +136,10 @@ class JobSubmitSerializer(serializers.Serializer):
                 gpu_type=validated.get("gpu_type", ""),
                 priority=validated["priority"],
                 max_runtime_seconds=validated.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
+                code_version=validated.get("code_version", ""),
+                environment=validated.get("environment", ""),
+                config=validated.get("config") or {},
+                data_refs=validated.get("data_refs", []),
             )
             JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
             request_pass()
@@ -191,6 +202,13 @@ class JobSerializer(serializers.ModelSerializer):
             "finished_at",
             "attempts",
             "urls",
+            "code_version",
+            "environment",
+            "config",
+            "data_refs",
+            "mlflow_experiment_id",
+            "mlflow_run_id",
+            "tracking_error",
         ]
 
     def get_urls(self, job: Job) -> dict:
