@@ -195,7 +195,9 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": REDIS_PREFIX},
+            # redis-py 8 reads with a 5 s socket timeout by default, which a 5 s BZPOPMIN
+            # of channels_redis reaches whenever a job is silent: the websocket then dies.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "prefix": REDIS_PREFIX},
         }
     }
 else:
