@@ -48,7 +48,7 @@ def overview(request):
 def jobs(request):
     f = CostFilter.from_params(request.GET)
     page = Paginator(costreports.job_table(request.user, f), PAGE_SIZE).get_page(request.GET.get("page"))
-    rows = [costreports.job_row(job) for job in page]
+    rows = list(costreports.job_rows(page.object_list))
     context = {
         **filter_context(request, f),
         "page": page,
@@ -83,7 +83,7 @@ def jobs_csv(request):
     """Every row of the per-job table under the same filters and sort, not just one page."""
     f = CostFilter.from_params(request.GET)
     table = costreports.job_table(request.user, f)
-    rows = ([costreports.job_row(job)[c] for c in costreports.JOB_COLUMNS] for job in table.iterator(chunk_size=2000))
+    rows = ([row[c] for c in costreports.JOB_COLUMNS] for row in costreports.job_rows(table))
     return stream_csv("job-costs", costreports.JOB_COLUMNS, rows)
 
 

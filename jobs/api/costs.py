@@ -56,8 +56,11 @@ class CostJobsView(APIView):
     def get(self, request):
         jobs = costreports.job_table(request.user, cost_filter(request))
         paginator = LimitOffsetPagination()
-        page = paginator.paginate_queryset(jobs, request, view=self)
-        return paginator.get_paginated_response([costreports.job_row(job) for job in page])
+        limit, offset = paginator.get_limit(request), paginator.get_offset(request)
+        count = jobs.count()
+        rows = list(costreports.job_rows(jobs[offset : offset + limit]))
+        more = offset + limit < count
+        return Response({"count": count, "limit": limit, "offset": offset, "more": more, "results": rows})
 
 
 def budget_json(status) -> dict:
