@@ -3,6 +3,7 @@ the per-job table, and CSV exports of both, streamed."""
 
 import csv
 
+from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import StreamingHttpResponse
 from django.shortcuts import render
@@ -58,6 +59,14 @@ def jobs(request):
         "budgets": costreports.budgets(request.user, f),
     }
     return render(request, "costs/jobs.html", context)
+
+
+def warn_budget(request, project) -> None:
+    """After a submission: say so when the project's budget for this month is nearly (or all) spent."""
+    today = timezone.now().date()
+    budget = costreports.Budget.for_month(project.pk, today)
+    if budget is not None and (status := budget.status(today)).warning:
+        messages.warning(request, f"Budget warning: {status.message()}.")
 
 
 class Echo:

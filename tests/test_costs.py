@@ -184,6 +184,10 @@ def test_a_soft_budget_warns_but_accepts(project, owner, teammate, node):
     client.force_login(teammate)
     page = client.get("/costs/").content.decode()
     assert "Budget warning" in page and "40.00 left of 100.00" in page
+    form = {"project": "vision", "command": "true", "gpus_per_node": 1, "priority": "normal"}
+    form.update(max_runtime_seconds=60, gpu_type="", env="", name="")
+    submitted = client.post("/jobs/new/", form, follow=True).content.decode()
+    assert "submitted" in submitted and "Budget warning: budget &#x27;vision" in submitted
 
 
 def test_a_budget_with_room_left_accepts(project, owner, teammate, node):
