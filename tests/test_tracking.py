@@ -121,3 +121,13 @@ def test_compare_shows_spec_differences(settings, job, project, owner):
     response = client.get(f"/jobs/compare/?a={job.pk}&b={other.pk}")
     differs = {row["field"] for row in response.context["spec"] if row["differs"]}
     assert differs == {"code_version"}
+
+
+def test_the_job_page_links_to_the_mlflow_ui_when_one_is_configured(settings, job, owner):
+    settings.HANGAR_MLFLOW_UI_URL = "http://mlflow.example:5000"
+    Job.objects.filter(pk=job.pk).update(mlflow_experiment_id="3", mlflow_run_id="abc")
+    client = Client()
+    client.force_login(owner)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'href="http://mlflow.example:5000/#/experiments/3/runs/abc"' in page
+    assert 'data-metrics-url="/api/v1/jobs/' in page
