@@ -51,13 +51,26 @@ def client():
         return _client
 
 
+_experiments: dict[tuple[str, str], str] = {}
+
+
 def experiment_id(project_slug: str) -> str:
+    """The project's experiment, created on first use; remembered per process (it saves a round trip per job)."""
+    key = (settings.MLFLOW_TRACKING_URI, project_slug)
+    if key not in _experiments:
+        _experiments[key] = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
+    return _experiments[key]
+
+
+def _find_or_create_experiment(name: str, project_slug: str) -> str:
     from mlflow.exceptions import MlflowException
 
-    name = f"hangar/{project_slug}"
     c = client()
     found = c.get_experiment_by_name(name)
-    if found is not None:
+    if found is not None and found.lifecycle_stage == "active":
+        return found.experiment_id
+    if found is not None:  # deleted in the MLflow UI: bring it back rather than fail every job
+        c.restore_experiment(found.experiment_id)
         return found.experiment_id
     try:
         return c.create_experiment(name, tags={"hangar.project": project_slug})
