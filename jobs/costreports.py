@@ -245,6 +245,7 @@ def figures(user, f: CostFilter) -> dict[str, str]:
     for slug, points in sorted(per_project.items()):
         spend.add_trace(go.Bar(x=list(points), y=list(points.values()), name=slug))
     spend.update_layout(barmode="stack", yaxis_title="spend", **LAYOUT)
+    spend.update_xaxes(type="date", tickformat="%b %d")
 
     labels = dict(rows.values_list("label").annotate(s=Sum("cost")).order_by())
     share = go.Figure(go.Pie(labels=list(labels), values=[float(v) for v in labels.values()], hole=0.4))

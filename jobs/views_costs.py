@@ -15,6 +15,7 @@ from jobs.models import JobState
 
 PAGE_SIZE = 50
 OVERVIEW_DAYS = 31
+TABLE_TITLES = {"project": "By project", "user": "By user", "gpu_type": "By GPU type", "day": "By day (latest first)"}
 
 
 def filter_context(request, f: CostFilter) -> dict:
@@ -33,8 +34,8 @@ def filter_context(request, f: CostFilter) -> dict:
 
 def overview(request):
     f = CostFilter.from_params(request.GET)
-    tables = {by: costreports.rollup(request.user, f, by) for by in ("project", "user", "gpu_type")}
-    tables["day"] = costreports.rollup(request.user, f, "day")[:OVERVIEW_DAYS]
+    tables = [(title, by, costreports.rollup(request.user, f, by)) for by, title in TABLE_TITLES.items()]
+    tables[-1] = (*tables[-1][:2], tables[-1][2][:OVERVIEW_DAYS])  # the latest days
     context = {
         **filter_context(request, f),
         "totals": costreports.totals(request.user, f),
