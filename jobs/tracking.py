@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 
+from celery.signals import worker_ready
 from django.conf import settings
 
 from jobs.models import Job, JobCost
@@ -52,6 +53,21 @@ def client():
 
 
 _experiments: dict[tuple[str, str], str] = {}
+
+
+@worker_ready.connect
+def warm_up(**_) -> None:
+    """Open the store when an agent starts rather than in its first job's preflight:
+    importing MLflow and creating an embedded store take seconds."""
+    if enabled():
+        threading.Thread(target=_warm, daemon=True, name="mlflow-warm-up").start()
+
+
+def _warm() -> None:
+    try:
+        client()
+    except Exception as exc:  # the first job records the reason on itself
+        log.warning("MLflow at %s is not available yet: %s", settings.MLFLOW_TRACKING_URI, exc)
 
 
 def experiment_id(project_slug: str) -> str:
