@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from jobs.models import Attempt, Environment, Job
+from jobs.models import Attempt, Budget, Environment, GpuRate, Job
 
 
 class AttemptInline(admin.TabularInline):
@@ -30,3 +30,15 @@ class JobAdmin(admin.ModelAdmin):
 class EnvironmentAdmin(admin.ModelAdmin):
     list_display = ["name", "kind", "everywhere", "path", "image", "description"]
     filter_horizontal = ["nodes"]
+
+
+@admin.register(GpuRate)
+class GpuRateAdmin(admin.ModelAdmin):
+    list_display = ["gpu_type", "effective_from", "per_gpu_hour"]
+    list_filter = ["gpu_type"]
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    list_display = ["project", "month", "amount", "warn_percent", "hard_limit"]
+    list_filter = ["project", "hard_limit"]

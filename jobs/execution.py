@@ -25,6 +25,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
+from jobs import tracking
 from jobs.environments import command_for
 from jobs.logingest import LogWriter, read_lines
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
@@ -155,6 +156,7 @@ class Runner:
         job, attempt = self.job, self.attempt
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
+        env.update(tracking.job_env(job, attempt))  # MLFLOW_*; the job's own env may override them
         env.update({str(k): str(v) for k, v in job.env.items()})
         env.update({str(k): str(v) for k, v in job.secret_env.items()})
         env.update({volume_env_name(v["name"]): v["path"] for v in job.volumes})

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs import views
+from jobs import views, views_experiments
 
 urlpatterns = [
     path("", views.job_list, name="job-list"),
@@ -11,4 +11,6 @@ urlpatterns = [
     path("<int:pk>/", views.job_detail, name="job-detail"),
     path("<int:pk>/status/", views.job_status, name="job-status"),
     path("<int:pk>/cancel/", views.cancel, name="job-cancel"),
+    path("<int:pk>/run-again/", views_experiments.run_again, name="job-run-again"),
+    path("compare/", views_experiments.compare, name="job-compare"),
 ]

@@ -6,6 +6,7 @@ from jobs.api.serializers import JobSubmitSerializer
 from jobs.api.views import can_cancel, movable_jobs, queue_state
 from jobs.forms import JobForm
 from jobs.models import Job
+from jobs.views_costs import warn_budget
 
 
 def visible_job(request, pk: int) -> Job:
@@ -24,6 +25,7 @@ def submit(request):
         if serializer.is_valid():
             job = serializer.save()
             messages.success(request, f"Job {job.pk} submitted.")
+            warn_budget(request, job.project)
             return redirect("job-detail", pk=job.pk)
         form.add_api_errors(serializer.errors)
     return render(request, "jobs/job_submit.html", {"form": form})

@@ -236,7 +236,9 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": REDIS_PREFIX},
+            # redis-py 8 reads with a 5 s socket timeout by default, which a 5 s BZPOPMIN
+            # of channels_redis reaches whenever a job is silent: the websocket then dies.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "prefix": REDIS_PREFIX},
         }
     }
 else:
@@ -334,6 +336,11 @@ for _name, _kinds in (
 HANGAR_PREFLIGHT_MAX_TEMP_C = env_float("HANGAR_PREFLIGHT_MAX_TEMP_C", 85.0)
 HANGAR_TELEMETRY_RAW_HOURS = env_float("HANGAR_TELEMETRY_RAW_HOURS", 24.0, minimum=0.01)
 HANGAR_FLEET_POLL_SECONDS = env_float("HANGAR_FLEET_POLL_SECONDS", 2.0, minimum=0.1)
+# --- Experiment tracking (jobs/tracking.py) ---------------------------------
+# Embedded default: a local MLflow store in the data directory, no server.
+MLFLOW_TRACKING_URI = env_str("MLFLOW_TRACKING_URI", f"sqlite:///{(DATA_DIR / 'mlflow.db').as_posix()}")
+HANGAR_MLFLOW = env_bool("HANGAR_MLFLOW", True)
+HANGAR_MLFLOW_UI_URL = env_str("HANGAR_MLFLOW_UI_URL").rstrip("/")
 
 LOGGING = {
     "version": 1,

@@ -6,6 +6,7 @@ from django.db.models import Max
 from rest_framework import serializers
 
 from fleet.models import Node
+from jobs.api.costs import check_budget
 from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
 from jobs.scheduler import request_pass
 from portal.models import Project, Role, VolumeMode
@@ -105,6 +106,10 @@ class JobSubmitSerializer(serializers.Serializer):
         },
     )
 
+    code_version = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    config = serializers.JSONField(required=False)
+    data_refs = serializers.ListField(child=serializers.CharField(), required=False)
+
     def validate(self, attrs):
         unknown = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
         if unknown:
@@ -120,6 +125,7 @@ class JobSubmitSerializer(serializers.Serializer):
             raise serializers.ValidationError(
                 {"gpus_per_node": f"asks for {total} GPUs; project {slug} allows at most {limit} a job"}
             )
+        check_budget(attrs["project"])
         return attrs
 
     def check_priority(self, project: Project, name: str) -> str:
@@ -238,6 +244,9 @@ class JobSubmitSerializer(serializers.Serializer):
                 max_retries=validated["max_retries"],
                 environment=validated.get("environment"),
                 max_runtime_seconds=validated.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
+                code_version=validated.get("code_version", ""),
+                config=validated.get("config") or {},
+                data_refs=validated.get("data_refs", []),
             )
             JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
             request_pass()
@@ -312,6 +321,12 @@ class JobSerializer(serializers.ModelSerializer):
             "finished_at",
             "attempts",
             "urls",
+            "code_version",
+            "config",
+            "data_refs",
+            "mlflow_experiment_id",
+            "mlflow_run_id",
+            "tracking_error",
         ]
 
     def get_secret_env(self, job: Job) -> dict[str, str]:

@@ -1,6 +1,8 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
+from jobs.api.costs import CostJobsView, CostSummaryView
+from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.views import JobViewSet, QueueView
 
@@ -10,5 +12,8 @@ urlpatterns = [
     path("queue/", QueueView.as_view(), name="api-queue"),
     path("jobs/<int:pk>/logs/", JobLogsView.as_view(), name="api-job-logs"),
     path("jobs/<int:pk>/logs/download/", JobLogDownloadView.as_view(), name="api-job-logs-download"),
+    path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="api-job-metrics"),
+    path("costs/summary/", CostSummaryView.as_view(), name="api-cost-summary"),
+    path("costs/jobs/", CostJobsView.as_view(), name="api-cost-jobs"),
     *router.urls,
 ]

@@ -1,0 +1,76 @@
+"""The cost API: `/api/v1/costs/summary/`, `/api/v1/costs/jobs/`, and the budget check at submit."""
+
+from django.utils import timezone
+from rest_framework import serializers
+from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from jobs import costreports
+from jobs.models import Budget
+
+
+def check_budget(project) -> None:
+    """Refuse a submission to a project whose hard budget for this month is spent."""
+    budget = Budget.for_month(project.pk, timezone.now().date())
+    if budget is None:
+        return
+    status = budget.status(timezone.now().date())
+    if status.refuses:
+        raise serializers.ValidationError(
+            {
+                "project": f"{status.message()}: it is a hard limit, so no new jobs run in {project.slug} "
+                "this month; ask a manager of the project to raise the budget"
+            }
+        )
+
+
+def cost_filter(request) -> costreports.CostFilter:
+    f = costreports.CostFilter.from_params(request.query_params)
+    if f.errors:
+        raise serializers.ValidationError(f.errors)
+    return f
+
+
+class CostSummaryView(APIView):
+    """Totals, budgets and one roll-up: ?by=project|user|gpu_type|day|label plus the job table's filters."""
+
+    def get(self, request):
+        f = cost_filter(request)
+        by = request.query_params.get("by", "project")
+        if by not in costreports.ROLLUPS:
+            raise serializers.ValidationError({"by": f"{by!r}: use one of {', '.join(costreports.ROLLUPS)}"})
+        return Response(
+            {
+                "totals": costreports.totals(request.user, f),
+                "budgets": [budget_json(b) for b in costreports.budgets(request.user, f)],
+                "by": by,
+                "rows": costreports.rollup(request.user, f, by),
+            }
+        )
+
+
+class CostJobsView(APIView):
+    """The per-job cost table: filters project, user, gpu_type, state, date_from, date_to; sort; limit/offset."""
+
+    def get(self, request):
+        jobs = costreports.job_table(request.user, cost_filter(request))
+        paginator = LimitOffsetPagination()
+        limit, offset = paginator.get_limit(request), paginator.get_offset(request)
+        count = jobs.count()
+        rows = list(costreports.job_rows(jobs[offset : offset + limit]))
+        more = offset + limit < count
+        return Response({"count": count, "limit": limit, "offset": offset, "more": more, "results": rows})
+
+
+def budget_json(status) -> dict:
+    return {
+        "name": status.name.strip("'"),
+        "amount": f"{status.amount:.2f}",
+        "spent": f"{status.spent:.2f}",
+        "left": f"{status.left:.2f}",
+        "used_percent": round(status.used_percent, 1),
+        "warning": status.warning,
+        "hard_limit": status.hard_limit,
+        "exhausted": status.exhausted,
+    }

@@ -1,0 +1,70 @@
+"""What reproduces a job, "run again", and comparing two jobs side by side."""
+
+import json
+import re
+
+SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
+MASK = "••••••"
+# Spec fields a clone copies and a comparison shows, in order.
+SPEC_FIELDS = [
+    "command",
+    "env",
+    "gpus_per_node",
+    "nodes",
+    "gpu_type",
+    "priority",
+    "max_runtime_seconds",
+    "code_version",
+    "environment",
+    "config",
+    "data_refs",
+]
+
+
+def spec_value(job, name: str):
+    if name == "environment":
+        return job.environment.name if job.environment else ""
+    return getattr(job, name)
+
+
+def masked_env(env: dict) -> dict:
+    return {k: (MASK if SECRET_NAME.search(k) else v) for k, v in env.items()}
+
+
+def record(job) -> dict:
+    """The reproduce record: spec (secrets masked) and where each attempt ran."""
+    spec = {name: spec_value(job, name) for name in SPEC_FIELDS}
+    spec["env"] = masked_env(job.env)
+    spec["placement"] = [
+        {"attempt": a.number, "node": a.node.name, "gpu_type": a.node.gpu_model, "gpu_indices": a.gpu_indices}
+        for a in job.attempts.select_related("node")
+    ]
+    spec["mlflow_run_id"] = job.mlflow_run_id
+    return spec
+
+
+def clone_data(job) -> dict:
+    """A submission that runs the same spec again (through the usual validation and budget check)."""
+    data = {name: spec_value(job, name) for name in SPEC_FIELDS}
+    data.update(project=job.project.slug, name=job.name)
+    return {k: v for k, v in data.items() if v not in ("", None)}
+
+
+def diff(a: dict, b: dict, fields: list[str]) -> list[dict]:
+    """Field by field: both values and whether they differ."""
+    rows = []
+    for name in fields:
+        va, vb = a.get(name), b.get(name)
+        rows.append({"field": name, "a": shown(va), "b": shown(vb), "differs": va != vb})
+    return rows
+
+
+def shown(value) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return "" if value is None else str(value)
+
+
+def final_metrics(series: dict) -> dict:
+    """The last logged value of each metric (by step, then time)."""
+    return {key: points[-1][1] for key, points in series.items() if points}

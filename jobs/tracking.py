@@ -1,0 +1,196 @@
+"""MLflow: an experiment per project, a run per job, handed to the job's processes.
+
+The run is created when the job's first attempt starts (by the agent, in
+`Runner.job_env`); later attempts reuse it and record their number and node as
+tags. Hangar sets the run's final status and writes the job's cost as a tag
+when the job ends. MLflow being down never stops a job: the reason is kept on
+the job (`tracking_error`) and shown on its page.
+
+Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
+"""
+
+import fcntl
+import json
+import logging
+import os
+import threading
+
+from celery.signals import worker_ready
+from django.conf import settings
+
+from jobs.models import Job, JobCost
+
+log = logging.getLogger("hangar.tracking")
+
+_client = None
+_client_lock = threading.Lock()
+
+RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
+MAX_POINTS = 5000
+
+
+def enabled() -> bool:
+    return settings.HANGAR_MLFLOW
+
+
+def client():
+    """One MlflowClient per process. Its store is opened under a file lock: the first
+    use of an embedded store creates its tables, which two processes must not do at once."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            # Fail fast when a tracking server is down, instead of MLflow's minutes of retries.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            from mlflow.tracking import MlflowClient
+
+            with open(settings.DATA_DIR / "mlflow.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                new = MlflowClient(tracking_uri=settings.MLFLOW_TRACKING_URI)
+                new.search_experiments(max_results=1)  # opens (and, the first time, creates) the store
+            _client = new
+        return _client
+
+
+_experiments: dict[tuple[str, str], str] = {}
+
+
+@worker_ready.connect
+def warm_up(**_) -> None:
+    """Open the store when an agent starts rather than in its first job's preflight:
+    importing MLflow and creating an embedded store take seconds."""
+    if enabled():
+        threading.Thread(target=_warm, daemon=True, name="mlflow-warm-up").start()
+
+
+def _warm() -> None:
+    try:
+        client()
+    except Exception as exc:  # the first job records the reason on itself
+        log.warning("MLflow at %s is not available yet: %s", settings.MLFLOW_TRACKING_URI, exc)
+
+
+def experiment_id(project_slug: str) -> str:
+    """The project's experiment, created on first use; remembered per process (it saves a round trip per job)."""
+    key = (settings.MLFLOW_TRACKING_URI, project_slug)
+    if key not in _experiments:
+        _experiments[key] = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
+    return _experiments[key]
+
+
+def _find_or_create_experiment(name: str, project_slug: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    c = client()
+    found = c.get_experiment_by_name(name)
+    if found is not None and found.lifecycle_stage == "active":
+        return found.experiment_id
+    if found is not None:  # deleted in the MLflow UI: bring it back rather than fail every job
+        c.restore_experiment(found.experiment_id)
+        return found.experiment_id
+    try:
+        return c.create_experiment(name, tags={"hangar.project": project_slug})
+    except MlflowException:  # created meanwhile by another process
+        return c.get_experiment_by_name(name).experiment_id
+
+
+def run_tags(job: Job, attempt) -> dict[str, str]:
+    return {
+        "hangar.job_id": str(job.pk),
+        "hangar.project": job.project.slug,
+        "hangar.user": job.submitted_by.username,
+        "hangar.gpu_type": attempt.node.gpu_model,
+        "hangar.nodes": attempt.node.name,
+        "hangar.attempt": str(attempt.number),
+        "hangar.code_version": job.code_version,
+        "hangar.environment": job.environment.name if job.environment else "",
+        "hangar.command": json.dumps(job.command),
+        "mlflow.user": job.submitted_by.username,
+        "mlflow.source.git.commit": job.code_version,
+    }
+
+
+def job_env(job: Job, attempt) -> dict[str, str]:
+    """MLFLOW_* variables for an attempt's processes; empty (and the reason kept) when MLflow fails."""
+    if not enabled():
+        return {}
+    try:
+        if not job.mlflow_run_id:
+            exp = experiment_id(job.project.slug)
+            run = client().create_run(exp, run_name=f"job-{job.pk} {job.name}", tags=run_tags(job, attempt))
+            Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
+                mlflow_experiment_id=exp, mlflow_run_id=run.info.run_id, tracking_error=""
+            )
+            job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
+        else:
+            for key, value in run_tags(job, attempt).items():
+                client().set_tag(job.mlflow_run_id, key, value)
+            client().update_run(job.mlflow_run_id, status="RUNNING")
+    except Exception as exc:  # MLflow down or misconfigured: the job runs without tracking
+        _record_error(job.pk, exc)
+        return {}
+    return {
+        "MLFLOW_TRACKING_URI": settings.MLFLOW_TRACKING_URI,
+        "MLFLOW_EXPERIMENT_ID": job.mlflow_experiment_id,
+        "MLFLOW_RUN_ID": job.mlflow_run_id,
+    }
+
+
+def attempt_finished(job_id: int) -> None:
+    """After an attempt's end is committed: close the run when the job is over, with its cost."""
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None or not job.mlflow_run_id or not enabled():
+        return
+    try:
+        cost = JobCost.objects.filter(pk=job_id).values_list("cost", flat=True).first() or 0
+        c = client()
+        c.set_tag(job.mlflow_run_id, "hangar.cost", f"{cost:.4f}")
+        c.set_tag(job.mlflow_run_id, "hangar.state", job.state)
+        if job.is_final:
+            c.set_terminated(job.mlflow_run_id, status=RUN_STATUS[job.state])
+    except Exception as exc:
+        _record_error(job_id, exc)
+
+
+def _record_error(job_id: int, exc: Exception) -> None:
+    reason = f"MLflow at {settings.MLFLOW_TRACKING_URI} failed: {type(exc).__name__}: {str(exc)[:300]}"
+    log.warning("job %s: %s", job_id, reason)
+    Job.objects.filter(pk=job_id).update(tracking_error=reason)
+
+
+def metrics(job: Job) -> dict:
+    """The run's metric histories: {"available", "reason", "series": {key: [[step, value, ts_ms], ...]}}."""
+    if not enabled():
+        return {"available": False, "reason": "experiment tracking is off (HANGAR_MLFLOW=0)", "series": {}}
+    if not job.mlflow_run_id:
+        reason = job.tracking_error or "no MLflow run yet: it is created when the job starts"
+        return {"available": False, "reason": reason, "series": {}}
+    try:
+        c = client()
+        keys = sorted(c.get_run(job.mlflow_run_id).data.metrics)
+        series = {}
+        for key in keys:
+            history = c.get_metric_history(job.mlflow_run_id, key)[-MAX_POINTS:]
+            series[key] = [[m.step, m.value, m.timestamp] for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
+    except Exception as exc:
+        reason = f"metrics unavailable: MLflow at {settings.MLFLOW_TRACKING_URI} failed: {type(exc).__name__}: {exc}"
+        return {"available": False, "reason": reason[:500], "series": {}}
+    return {"available": True, "reason": job.tracking_error, "series": series}
+
+
+def metrics_figure(series: dict) -> dict:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for key, points in series.items():
+        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers", name=key))
+    fig.update_layout(
+        margin={"l": 40, "r": 10, "t": 10, "b": 40}, height=320, xaxis_title="step", legend={"orientation": "h"}
+    )
+    return json.loads(fig.to_json())
+
+
+def ui_url(job: Job) -> str:
+    if not settings.HANGAR_MLFLOW_UI_URL or not job.mlflow_run_id:
+        return ""
+    return f"{settings.HANGAR_MLFLOW_UI_URL}/#/experiments/{job.mlflow_experiment_id}/runs/{job.mlflow_run_id}"

@@ -1,0 +1,133 @@
+"""MLflow runs per job, the metrics endpoint, the reproduce record, run again and compare."""
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from jobs import reproduce, tracking
+from jobs.execution import Runner
+from jobs.models import Job, JobCost
+from tests.conftest import api_client, make_attempt, make_job
+
+
+@pytest.fixture
+def mlflow_store(settings, tmp_path):
+    settings.MLFLOW_TRACKING_URI = f"sqlite:///{tmp_path}/mlflow.db"
+    settings.DATA_DIR = tmp_path
+    settings.HANGAR_MLFLOW = True
+    tracking._client = None
+    yield settings.MLFLOW_TRACKING_URI
+    tracking._client = None
+
+
+@pytest.fixture
+def job(project, owner):
+    return make_job(project, owner, code_version="abc123", environment="ai", env={"LR": "0.1", "HF_TOKEN": "s3cret"})
+
+
+def runner_env(job, node) -> dict:
+    attempt = make_attempt(job, node, "preflight", started_at=timezone.now())
+    attempt = type(attempt).objects.select_related("job__project", "node").get(pk=attempt.pk)
+    return Runner(attempt).job_env()
+
+
+def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_store, job, node):
+    env = runner_env(job, node)
+    job.refresh_from_db()
+    assert env["MLFLOW_TRACKING_URI"] == mlflow_store
+    assert env["MLFLOW_RUN_ID"] == job.mlflow_run_id and env["MLFLOW_EXPERIMENT_ID"] == job.mlflow_experiment_id
+    run = tracking.client().get_run(job.mlflow_run_id)
+    assert tracking.client().get_experiment(run.info.experiment_id).name == "hangar/vision"
+    tags = run.data.tags
+    assert tags["hangar.job_id"] == str(job.pk) and tags["hangar.project"] == "vision"
+    assert tags["hangar.user"] == "owner" and tags["hangar.gpu_type"] == "H100" and tags["hangar.nodes"] == "node-a"
+    assert tags["hangar.code_version"] == "abc123" and tags["hangar.environment"] == "ai"
+    assert tags["hangar.command"] == '["python", "train.py"]'
+
+
+def test_the_run_gets_the_final_status_and_the_cost(mlflow_store, job, node, django_capture_on_commit_callbacks):
+    runner_env(job, node)
+    job.refresh_from_db()
+    tracking.client().log_metric(job.mlflow_run_id, "loss", 0.5, step=1)
+    attempt = job.attempts.get()
+    with django_capture_on_commit_callbacks(execute=True):
+        attempt.finish("failed", "user", "exited with code 1", 1)
+    run = tracking.client().get_run(job.mlflow_run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["hangar.cost"] == f"{JobCost.objects.get(pk=job.pk).cost:.4f}"
+    found = api_client(job.submitted_by).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
+    assert found["available"] and found["series"]["loss"][0][:2] == [1, 0.5]
+    assert found["figure"]["data"][0]["y"] == [0.5]
+
+
+def test_an_unreachable_mlflow_does_not_stop_the_job_and_the_page_says_why(settings, job, node, owner):
+    settings.MLFLOW_TRACKING_URI = "http://127.0.0.1:9"
+    tracking._client = None
+    try:
+        env = runner_env(job, node)
+    finally:
+        tracking._client = None
+    assert "MLFLOW_RUN_ID" not in env and env["HANGAR_JOB_ID"] == str(job.pk)
+    job.refresh_from_db()
+    assert "MLflow at http://127.0.0.1:9 failed" in job.tracking_error
+    client = Client()
+    client.force_login(owner)
+    assert "Metrics unavailable: MLflow at http://127.0.0.1:9 failed" in client.get(f"/jobs/{job.pk}/").content.decode()
+    found = api_client(owner).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
+    assert not found["available"] and "http://127.0.0.1:9" in found["reason"]
+
+
+def test_metrics_are_scoped_to_the_callers_projects(job, outsider, other_project):
+    assert api_client(outsider).get(f"/api/v1/jobs/{job.pk}/metrics/").status_code == 404
+
+
+def test_the_reproduce_record_masks_secrets(job, node, owner):
+    make_attempt(job, node, "running", gpu_indices=[2, 3])
+    record = reproduce.record(job)
+    assert record["env"] == {"LR": "0.1", "HF_TOKEN": reproduce.MASK}
+    assert record["placement"] == [{"attempt": 1, "node": "node-a", "gpu_type": "H100", "gpu_indices": [2, 3]}]
+    client = Client()
+    client.force_login(owner)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    section = page.split('id="job-reproduce"', 1)[1].split("</section>", 1)[0]
+    assert "abc123" in section and "HF_TOKEN=" + reproduce.MASK in section and "s3cret" not in section
+    assert "Run again" in section
+
+
+def test_run_again_clones_the_spec(settings, job, node, owner):
+    settings.HANGAR_MLFLOW = False
+    client = Client()
+    client.force_login(owner)
+    response = client.post(f"/jobs/{job.pk}/run-again/")
+    clone = Job.objects.exclude(pk=job.pk).get()
+    assert response.status_code == 302 and response.url == f"/jobs/{clone.pk}/"
+    for name in reproduce.SPEC_FIELDS:
+        assert getattr(clone, name) == getattr(job, name), name
+    assert clone.submitted_by == owner and clone.state == "queued"
+
+
+def test_run_again_and_compare_are_refused_outside_ones_projects(job, outsider, other_project):
+    client = Client()
+    client.force_login(outsider)
+    assert client.post(f"/jobs/{job.pk}/run-again/").status_code == 404
+    assert client.get(f"/jobs/compare/?a={job.pk}&b={job.pk}").status_code == 404
+
+
+def test_compare_shows_spec_differences(settings, job, project, owner):
+    settings.HANGAR_MLFLOW = False
+    other = make_job(project, owner, code_version="def456", environment="ai", env=job.env)
+    client = Client()
+    client.force_login(owner)
+    response = client.get(f"/jobs/compare/?a={job.pk}&b={other.pk}")
+    differs = {row["field"] for row in response.context["spec"] if row["differs"]}
+    assert differs == {"code_version"}
+
+
+def test_the_job_page_links_to_the_mlflow_ui_when_one_is_configured(settings, job, owner):
+    settings.HANGAR_MLFLOW_UI_URL = "http://mlflow.example:5000"
+    Job.objects.filter(pk=job.pk).update(mlflow_experiment_id="3", mlflow_run_id="abc")
+    client = Client()
+    client.force_login(owner)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'href="http://mlflow.example:5000/#/experiments/3/runs/abc"' in page
+    assert 'data-metrics-url="/api/v1/jobs/' in page
