@@ -11,6 +11,12 @@ from fleet.gpus import FAULT_KINDS, POWER_REASONS, THERMAL_REASONS, GpuSample
 from portal.models import AuditEvent
 
 
+def request_scheduling_pass() -> None:
+    from jobs.scheduler import request_pass
+
+    request_pass()
+
+
 class NodeState(models.TextChoices):
     READY = "ready", "Ready"
     CORDONED = "cordoned", "Cordoned"
@@ -74,6 +80,7 @@ class Node(models.Model):
         )
         if came_back:
             AuditEvent.record(None, "node.online", self, reason="agent heartbeat resumed")
+            request_scheduling_pass()
 
     def cordon(self, by, reason: str, evidence: dict | None = None) -> bool:
         """Take the node out of scheduling (from ready, draining or offline)."""
@@ -104,6 +111,7 @@ class Node(models.Model):
             self.state, self.state_reason, self.auto_cordoned = new, reason, auto
             detail = {"previous_state": previous, **({"evidence": evidence} if evidence else {})}
             AuditEvent.record(by, action, self, reason=reason, detail=detail)
+            request_scheduling_pass()  # capacity changed: place (or stop placing) work at once
         return bool(changed)
 
     def state_history(self) -> models.QuerySet:

@@ -450,14 +450,14 @@ def cmd_node_action(args) -> int:
 
 
 def cmd_cost(args) -> int:
-    params = {"project": args.project, "group_by": args.by, "since": args.since, "until": args.until}
+    params = {"project": args.project, "by": args.by or "project", "date_from": args.since, "date_to": args.until}
     try:
-        body = api_from(args).get("/api/v1/costs/", **params)
+        body = api_from(args).get("/api/v1/costs/summary/", **params)
     except CliError as exc:
         if exc.body.get("code") == "not_found" and "no API endpoint" in exc.body.get("message", ""):
-            raise CliError("this Hangar server has no cost API (/api/v1/costs/); upgrade it to see costs")
+            raise CliError("this Hangar server has no cost API (/api/v1/costs/summary/); upgrade it to see costs")
         raise
-    rows = body.get("results", body) if isinstance(body, dict) else body
+    rows = body.get("rows", body) if isinstance(body, dict) else body
     if isinstance(rows, list) and rows and isinstance(rows[0], dict):
         human = table(rows, list(rows[0]))
     else:
@@ -552,8 +552,8 @@ def parser() -> argparse.ArgumentParser:
     p = command("cost", cmd_cost, "spend by project, user, GPU type or day")
     p.add_argument("-p", "--project")
     p.add_argument("--by", choices=["project", "user", "gpu_type", "day"])
-    p.add_argument("--since")
-    p.add_argument("--until")
+    p.add_argument("--since", help="first day, YYYY-MM-DD")
+    p.add_argument("--until", help="last day, YYYY-MM-DD")
     return top
 
 

@@ -95,6 +95,11 @@ def test_json_output_parses_and_wait_exits_zero_on_success(hangar):
     lines = [json.loads(line) for line in hangar("logs", str(job["id"]), "--json")[1].splitlines()]
     assert [line["text"] for line in lines if line["stream"] == "stdout"] == ["1"]
 
+    code, out, _ = hangar("cost", "--by", "gpu_type", "--json")
+    cost = json.loads(out)
+    assert code == 0 and cost["by"] == "gpu_type"
+    assert "H100" in [row["gpu_type"] for row in cost["rows"]]  # finished attempts count under their GPU type
+
 
 def test_logs_filters_and_human_tables(hangar):
     code, out, err = hangar(

@@ -26,7 +26,7 @@ def test_a_job_logs_metrics_to_its_run_with_no_set_up(tmp_path):
     from mlflow.tracking import MlflowClient
 
     with LiveStack(data_dir=str(tmp_path)) as stack:
-        job = stack.submit([sys.executable, "-c", TRAIN], name="train", code_version="deadbeef", environment="ai")
+        job = stack.submit([sys.executable, "-c", TRAIN], name="train", code_version="deadbeef", environment="cuda")
         done = stack.wait_for(job["id"], ("succeeded", "failed", "cancelled"), timeout=120)
         assert done["state"] == "succeeded", stack.output()
         assert done["mlflow_run_id"] and not done["tracking_error"]

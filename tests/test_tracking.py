@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from jobs import reproduce, tracking
 from jobs.execution import Runner
-from jobs.models import Job, JobCost
+from jobs.models import Environment, Job, JobCost
 from tests.conftest import api_client, make_attempt, make_job
 
 
@@ -22,7 +22,13 @@ def mlflow_store(settings, tmp_path):
 
 @pytest.fixture
 def job(project, owner):
-    return make_job(project, owner, code_version="abc123", environment="ai", env={"LR": "0.1", "HF_TOKEN": "s3cret"})
+    return make_job(
+        project,
+        owner,
+        code_version="abc123",
+        environment=Environment.objects.get(name="ai"),
+        env={"LR": "0.1", "HF_TOKEN": "s3cret"},
+    )
 
 
 def runner_env(job, node) -> dict:
@@ -115,7 +121,7 @@ def test_run_again_and_compare_are_refused_outside_ones_projects(job, outsider, 
 
 def test_compare_shows_spec_differences(settings, job, project, owner):
     settings.HANGAR_MLFLOW = False
-    other = make_job(project, owner, code_version="def456", environment="ai", env=job.env)
+    other = make_job(project, owner, code_version="def456", environment=job.environment, env=job.env)
     client = Client()
     client.force_login(owner)
     response = client.get(f"/jobs/compare/?a={job.pk}&b={other.pk}")

@@ -1,6 +1,8 @@
 """The cost API: `/api/v1/costs/summary/`, `/api/v1/costs/jobs/`, and the budget check at submit."""
 
 from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
@@ -32,9 +34,15 @@ def cost_filter(request) -> costreports.CostFilter:
     return f
 
 
+COST_FILTERS = [
+    OpenApiParameter(name, str) for name in ("project", "user", "gpu_type", "state", "date_from", "date_to", "sort")
+]
+
+
 class CostSummaryView(APIView):
     """Totals, budgets and one roll-up: ?by=project|user|gpu_type|day|label plus the job table's filters."""
 
+    @extend_schema(parameters=[*COST_FILTERS, OpenApiParameter("by", str)], responses=OpenApiTypes.OBJECT)
     def get(self, request):
         f = cost_filter(request)
         by = request.query_params.get("by", "project")
@@ -53,6 +61,10 @@ class CostSummaryView(APIView):
 class CostJobsView(APIView):
     """The per-job cost table: filters project, user, gpu_type, state, date_from, date_to; sort; limit/offset."""
 
+    @extend_schema(
+        parameters=[*COST_FILTERS, OpenApiParameter("limit", int), OpenApiParameter("offset", int)],
+        responses=OpenApiTypes.OBJECT,
+    )
     def get(self, request):
         jobs = costreports.job_table(request.user, cost_filter(request))
         paginator = LimitOffsetPagination()
