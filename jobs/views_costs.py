@@ -10,6 +10,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from jobs import costreports
+from jobs.api.costs import budget_warning
 from jobs.costreports import CostFilter
 from jobs.models import JobState
 
@@ -64,10 +65,8 @@ def jobs(request):
 
 def warn_budget(request, project) -> None:
     """After a submission: say so when the project's budget for this month is nearly (or all) spent."""
-    today = timezone.now().date()
-    budget = costreports.Budget.for_month(project.pk, today)
-    if budget is not None and (status := budget.status(today)).warning:
-        messages.warning(request, f"Budget warning: {status.message()}.")
+    if warning := budget_warning(project):
+        messages.warning(request, warning)
 
 
 class Echo:

@@ -76,6 +76,29 @@ def test_submit_from_the_form_and_watch_lines_arrive(browser, stack):
     page.close()
 
 
+def test_queue_and_cost_pages_render_without_script_errors(browser, stack):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(stack.url + "/login/")
+    page.fill("input[name=username]", "admin")
+    page.fill("input[name=password]", stack.password)
+    page.click("button.primary")
+    job = stack.submit([sys.executable, "-c", "print('for the cost page')"], name="costed")
+    stack.wait_for(job["id"], ("succeeded",))
+
+    page.goto(stack.url + "/jobs/queue/")
+    assert page.locator("h1").inner_text() == "Queue"
+    shoot(page, "queue")
+    page.goto(stack.url + "/costs/")
+    assert page.locator("h1").inner_text() == "Costs"
+    page.wait_for_load_state("networkidle")
+    assert page.locator("td", has_text="H100").count() >= 1  # the finished attempt counts under its GPU type
+    shoot(page, "costs")
+    assert errors == []
+    page.close()
+
+
 def test_form_errors_name_the_field(browser, stack):
     page = browser.new_page()
     page.goto(stack.url + "/login/")

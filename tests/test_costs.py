@@ -179,7 +179,10 @@ def test_a_hard_budget_refuses_a_submission_saying_which_budget_and_what_is_left
 def test_a_soft_budget_warns_but_accepts(project, owner, teammate, node):
     Budget.objects.create(project=project, amount=Decimal("100"), warn_percent=50)
     spend(project, owner, "60")
-    assert submit(teammate, project).status_code == 201
+    response = submit(teammate, project)
+    assert response.status_code == 201
+    (warning,) = response.json()["warnings"]  # an agent submitting through the API is told too
+    assert warning.startswith("Budget warning: budget 'vision") and "40.00 left of 100.00" in warning
     client = Client()
     client.force_login(teammate)
     page = client.get("/costs/").content.decode()

@@ -12,6 +12,15 @@ from jobs import costreports
 from jobs.models import Budget
 
 
+def budget_warning(project) -> str | None:
+    """What to tell a submitter when the project's budget for this month is nearly (or all) spent."""
+    today = timezone.now().date()
+    budget = Budget.for_month(project.pk, today)
+    if budget is not None and (status := budget.status(today)).warning:
+        return f"Budget warning: {status.message()}."
+    return None
+
+
 def check_budget(project) -> None:
     """Refuse a submission to a project whose hard budget for this month is spent."""
     budget = Budget.for_month(project.pk, timezone.now().date())

@@ -8,6 +8,7 @@ from rest_framework.exceptions import APIException, PermissionDenied
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from jobs.api.costs import budget_warning
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState
 from jobs.scheduler import queue_report
@@ -68,7 +69,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             if key and (first := self.replay(key, data)) is not None:
                 return first
             raise
-        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+        body = JobSerializer(job).data
+        body["warnings"] = [w for w in [budget_warning(job.project)] if w]
+        return Response(body, status=status.HTTP_201_CREATED)
 
     def replay(self, key: str, data: dict) -> Response | None:
         job = Job.objects.filter(submitted_by=self.request.user, idempotency_key=key).first()
