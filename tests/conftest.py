@@ -120,3 +120,24 @@ def token_client(user, project: Project | None = None, read_only: bool = False) 
     _, raw = ApiToken.issue(user, "test", project=project, read_only=read_only)
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
     return client
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium driven by Playwright (one per test module: Playwright's sync API holds an
+    event loop while it lives); missing Chromium fails under CI, skips elsewhere."""
+    import os
+    from pathlib import Path
+
+    from tests.browsing import CHROMIUM, CHROMIUM_FLAGS
+
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)")
+        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium`")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()

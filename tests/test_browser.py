@@ -5,45 +5,21 @@ With HANGAR_SCREENSHOTS=DIR set, the pages are also saved as PNGs (the README's
 pictures come from here).
 """
 
-import os
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
 
 from portal.livestack import LiveStack
+from tests.browsing import shoot
 
 pytestmark = pytest.mark.e2e
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)")
-        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium`")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     with LiveStack(data_dir=str(tmp_path_factory.mktemp("browser-stack"))) as live:
         yield live
-
-
-def shoot(page, name: str) -> None:
-    if folder := os.environ.get("HANGAR_SCREENSHOTS"):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=False)
 
 
 def test_submit_from_the_form_and_watch_lines_arrive(browser, stack):

@@ -4,31 +4,12 @@ the fleet page follows a fault live, without reloading; the node page draws its 
 With HANGAR_SCREENSHOTS=DIR set, the pages are saved as PNGs.
 """
 
-import os
-from pathlib import Path
-
 import pytest
 
 from portal.livestack import LiveStack
+from tests.browsing import shoot
 
 pytestmark = pytest.mark.e2e
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)")
-        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium`")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +17,6 @@ def stack(tmp_path_factory):
     env = {"HANGAR_HEARTBEAT_SECONDS": "0.5", "HANGAR_FLEET_POLL_SECONDS": "0.3", "HANGAR_SIM_GPUS": "8"}
     with LiveStack(env=env, data_dir=str(tmp_path_factory.mktemp("fleet-browser"))) as live:
         yield live
-
-
-def shoot(page, name: str) -> None:
-    if folder := os.environ.get("HANGAR_SCREENSHOTS"):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=False)
 
 
 def test_the_fleet_page_follows_a_fault_live_and_the_node_page_charts(browser, stack):

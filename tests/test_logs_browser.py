@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.test_browser import CHROMIUM, CHROMIUM_FLAGS, browser, stack  # noqa: F401 (fixtures)
+from tests.test_browser import stack  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.e2e
 
