@@ -46,7 +46,14 @@ def record(job) -> dict:
 def clone_data(job) -> dict:
     """A submission that runs the same spec again (through the usual validation and budget check)."""
     data = {name: spec_value(job, name) for name in SPEC_FIELDS}
-    data.update(project=job.project.slug, name=job.name)
+    data.update(
+        project=job.project.slug,
+        name=job.name,
+        secret_env=job.secret_env,
+        volumes=[{"name": v["name"], "mode": v["mode"]} for v in job.volumes],
+        preemptible=job.preemptible,
+        max_retries=job.max_retries,
+    )
     return {k: v for k, v in data.items() if v not in ("", None)}
 
 

@@ -8,6 +8,7 @@ from rest_framework.exceptions import APIException, PermissionDenied
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from jobs import reproduce
 from jobs.api.costs import budget_warning
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState
@@ -100,22 +101,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def resubmit(self, request, pk=None):
         """Submit the same job again (command, env, secrets, volumes, resources) as a new job."""
         job = self.get_object()
-        spec = {
-            "name": job.name,
-            "project": job.project.slug,
-            "command": job.command,
-            "env": job.env,
-            "secret_env": job.secret_env,
-            "volumes": [{"name": v["name"], "mode": v["mode"]} for v in job.volumes],
-            "gpus_per_node": job.gpus_per_node,
-            "nodes": job.nodes,
-            "gpu_type": job.gpu_type,
-            "priority": job.priority,
-            "preemptible": job.preemptible,
-            "max_retries": job.max_retries,
-            "environment": job.environment.name if job.environment else "",
-            "max_runtime_seconds": job.max_runtime_seconds,
-        }
+        spec = reproduce.clone_data(job)
         submit = JobSubmitSerializer(data=spec, context={"request": request})
         submit.is_valid(raise_exception=True)
         return Response(JobSerializer(submit.save()).data, status=status.HTTP_201_CREATED)
