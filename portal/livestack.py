@@ -23,6 +23,14 @@ POSTGRES_ADMIN_URL = os.environ.get("HANGAR_TEST_POSTGRES_URL", "postgresql://po
 REDIS_TEST_URL = os.environ.get("HANGAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/5")
 
 
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the test or bench process that started it dies,
+    so a killed run leaves no stack behind (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,6 +98,7 @@ class LiveStack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
 
     def _use_port(self, port: int) -> None:
@@ -132,6 +141,7 @@ class LiveStack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.agents[name] = proc
         deadline = time.monotonic() + timeout
