@@ -92,18 +92,17 @@ class CostFilter:
         return projects
 
 
+def narrow(rows: QuerySet, f: CostFilter, user: str, gpu_type: str, day: str, state: str = "") -> QuerySet:
+    """Apply the filter's user, GPU type, state and dates through the given lookups of `rows`' model."""
+    wanted = {user: f.user, gpu_type: f.gpu_type, state: f.state, f"{day}__gte": f.date_from, f"{day}__lte": f.date_to}
+    return rows.filter(**{lookup: value for lookup, value in wanted.items() if lookup and value})
+
+
 def job_table(user, f: CostFilter) -> QuerySet:
-    jobs = Job.objects.filter(project__in=f.projects(user))
-    if f.user:
-        jobs = jobs.filter(submitted_by__username=f.user)
-    if f.gpu_type:
-        jobs = jobs.filter(cost__gpu_type=f.gpu_type)
-    if f.state:
-        jobs = jobs.filter(state=f.state)
-    if f.date_from:
-        jobs = jobs.filter(created_at__date__gte=f.date_from)
-    if f.date_to:
-        jobs = jobs.filter(created_at__date__lte=f.date_to)
+    jobs = narrow(
+        Job.objects.filter(project__in=f.projects(user)), f,
+        user="submitted_by__username", gpu_type="cost__gpu_type", day="created_at__date", state="state",
+    )  # fmt: skip
     jobs = jobs.annotate(
         total=Coalesce(F("cost__cost"), ZERO),
         wasted=Coalesce(F("cost__wasted_cost"), ZERO),
@@ -168,16 +167,8 @@ def job_row(v: dict) -> dict:
 
 
 def daily(user, f: CostFilter) -> QuerySet:
-    rows = CostDaily.objects.filter(project__in=f.projects(user))
-    if f.user:
-        rows = rows.filter(user__username=f.user)
-    if f.gpu_type:
-        rows = rows.filter(gpu_type=f.gpu_type)
-    if f.date_from:
-        rows = rows.filter(day__gte=f.date_from)
-    if f.date_to:
-        rows = rows.filter(day__lte=f.date_to)
-    return rows
+    """The roll-up rows the filter selects (state is a job's, not a day's: it does not apply here)."""
+    return narrow(CostDaily.objects.filter(project__in=f.projects(user)), f, "user__username", "gpu_type", "day")
 
 
 def rollup(user, f: CostFilter, by: str) -> list[dict]:

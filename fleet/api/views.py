@@ -11,26 +11,7 @@ from fleet.operator import OperatorError, change_state, inject_fault
 class GPUSerializer(serializers.ModelSerializer):
     class Meta:
         model = GPU
-        fields = [
-            "index",
-            "uuid",
-            "model",
-            "memory_total_mb",
-            "utilization_pct",
-            "memory_used_mb",
-            "temperature_c",
-            "power_w",
-            "sm_clock_mhz",
-            "throttle_reasons",
-            "ecc_uncorrected_volatile",
-            "ecc_uncorrected_aggregate",
-            "retired_pages_pending",
-            "remapped_rows_pending",
-            "lost",
-            "last_xid",
-            "last_xid_at",
-            "sampled_at",
-        ]
+        fields = ["index", "uuid", "model", "memory_total_mb", *GPU.TELEMETRY_FIELDS, "last_xid", "last_xid_at"]
 
 
 class NodeSerializer(serializers.ModelSerializer):
