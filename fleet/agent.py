@@ -80,16 +80,21 @@ class Agent:
 
     def report(self) -> None:
         """One heartbeat: apply injected faults, sample the GPUs, store telemetry, act on findings."""
-        self.apply_faults()
+        if self.provider.simulated:
+            self.apply_faults()  # faults are injected into simulated GPUs only
         if time.monotonic() < self.silent_until:
             return  # an injected "agent silent" fault: no heartbeat, no telemetry
         busy = {i for runner in running() for i in runner.attempt.gpu_indices}
         samples = self.provider.sample(busy)
         self.store(samples, timezone.now())
-        for finding in health.telemetry_findings(self.previous, samples):
-            handle_finding(self.node, finding)
-        self.previous = {s.index: s for s in samples}
         self.node.heartbeat()
+        findings = health.telemetry_findings(self.previous, samples)
+        self.previous = {s.index: s for s in samples}  # a finding is acted on once, even if acting fails
+        for finding in findings:
+            try:
+                handle_finding(self.node, finding)
+            except Exception:
+                log.exception("node %s: health finding %s not handled", self.node.name, finding.kind)
         self.compact()
 
     def store(self, samples: list[GpuSample], now) -> None:
@@ -172,8 +177,8 @@ def observe_output(attempt, text: str) -> None:
     _seen_in_output.add(key)
     try:
         handle_finding(attempt.node, finding, attempt)
-    except DatabaseError as exc:
-        log.warning("attempt %s: health finding not recorded: %s", attempt.pk, exc)
+    except Exception:  # runs on the log writer's thread: never let it die over a finding
+        log.exception("attempt %s: health finding not recorded", attempt.pk)
 
 
 def inject_nccl_failure(gpu_index: int | None) -> None:

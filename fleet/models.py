@@ -87,9 +87,17 @@ class Node(models.Model):
         return self._change_state(NodeState.CORDONED, by, reason, "node.cordon", evidence)
 
     def auto_cordon(self, reason: str, evidence: dict | None = None) -> bool:
-        """A health check or event cordons the node; uncordoning it will need a burn-in."""
-        changed = self._change_state(NodeState.CORDONED, None, reason, "node.auto_cordon", evidence, auto=True)
-        return changed
+        """A health check or event cordons the node; uncordoning it will need a burn-in,
+        also when a person had cordoned it already."""
+        if self._change_state(NodeState.CORDONED, None, reason, "node.auto_cordon", evidence, auto=True):
+            return True
+        marked = Node.objects.filter(pk=self.pk, state=NodeState.CORDONED, auto_cordoned=False).update(
+            auto_cordoned=True
+        )
+        if marked:
+            self.auto_cordoned = True
+            AuditEvent.record(None, "node.auto_cordon", self, reason=reason, detail={"evidence": evidence or {}})
+        return False
 
     def drain(self, by, reason: str) -> bool:
         """No new work; what runs there finishes."""
@@ -99,12 +107,24 @@ class Node(models.Model):
         return self._change_state(NodeState.READY, by, reason, action, evidence)
 
     def _change_state(
-        self, new: str, by, reason: str, action: str, evidence: dict | None = None, auto: bool = False
+        self,
+        new: str,
+        by,
+        reason: str,
+        action: str,
+        evidence: dict | None = None,
+        auto: bool = False,
+        only_if: dict | None = None,
     ) -> bool:
-        previous = Node.objects.filter(pk=self.pk).values_list("state", flat=True).first()
-        if previous is None or previous == new:
+        """A conditional update from the state read now; `only_if` adds conditions checked in the same UPDATE."""
+        row = Node.objects.filter(pk=self.pk).values_list("state", "auto_cordoned").first()
+        if row is None or row[0] == new:
             return False
-        changed = Node.objects.filter(pk=self.pk, state=previous).update(
+        previous, was_auto = row
+        # A health fault's cordon outlives a drain or an offline spell: only a return to
+        # ready (after the burn-in or an audited override) clears it.
+        auto = auto or (was_auto and new != NodeState.READY)
+        changed = Node.objects.filter(pk=self.pk, state=previous, **(only_if or {})).update(
             state=new, state_reason=reason, state_changed_at=timezone.now(), state_changed_by=by, auto_cordoned=auto
         )
         if changed:
@@ -130,7 +150,9 @@ class Node(models.Model):
         gone = []
         for node in silent:
             reason = f"no heartbeat since {node.last_heartbeat_at:%Y-%m-%d %H:%M:%S} UTC"
-            if node._change_state(NodeState.OFFLINE, None, reason, "node.offline"):
+            # Re-checked in the UPDATE: a heartbeat that lands after the read keeps the node ready.
+            stale = {"last_heartbeat_at__lt": cutoff}
+            if node._change_state(NodeState.OFFLINE, None, reason, "node.offline", only_if=stale):
                 node.lose_attempts(reason)
                 HealthEvent.objects.create(
                     node=node, kind=health.Kind.HEARTBEAT, severity="critical", message=reason, action="offline"
