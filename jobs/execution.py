@@ -96,6 +96,7 @@ class Runner:
             attempt.node if placement["node_id"] == attempt.node_id else Node.objects.get(pk=placement["node_id"])
         )
         self.gpus: list[int] = placement["gpus"]
+        self.master = attempt.node  # rank 0's node: MASTER_ADDR for every rank
         # This runner's view of its attempt is its rank's placement: the agent's
         # telemetry, preflight and output monitoring read node and GPUs from it.
         # (Never saved: attempt rows change only through conditional updates.)
@@ -113,6 +114,20 @@ class Runner:
 
     def run(self) -> None:
         self.writer.start()
+        try:
+            self.run_rank()
+        except Exception:
+            # The database or the broker failed under us: leave nothing running that no one
+            # watches. The attempt's lease then expires and the reconciler requeues the job.
+            log.exception("attempt %s rank %s: the runner failed", self.attempt.pk, self.rank)
+            if self.proc is not None and self.proc.poll() is None:
+                signal_group(self.proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            if self.writer.is_alive():
+                self.writer.close()
+
+    def run_rank(self) -> None:
         where = f"on node {self.node.name}, GPUs {self.gpu_list() or 'none'}"
         rank = f" rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
         self.system(f"attempt {self.attempt.number}{rank} {where}")
@@ -174,8 +189,7 @@ class Runner:
     def master_addr(self) -> str:
         if self.world_size == 1:
             return "127.0.0.1"
-        first = self.attempt.node
-        return first.hostname or first.name
+        return self.master.hostname or self.master.name
 
     def workdir(self) -> Path:
         return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)

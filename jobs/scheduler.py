@@ -203,7 +203,8 @@ def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[At
     for a in attempts:
         for rank in a.placement:
             queue = nodes[rank["node_id"]].queue
-            transaction.on_commit(lambda a=a.pk, q=queue, r=rank["rank"]: dispatch(a, q, r))
+            # robust: one failed send must not skip the others; the reconciler requeues what was not sent.
+            transaction.on_commit(lambda a=a.pk, q=queue, r=rank["rank"]: dispatch(a, q, r), robust=True)
     return attempts
 
 
@@ -242,10 +243,21 @@ def reconcile() -> None:
 
 
 def request_pass() -> None:
-    """Ask the scheduler for a pass as soon as the current transaction commits."""
+    """Ask the scheduler for a pass as soon as the current transaction commits.
+
+    Only a wake-up: if the broker is unreachable the periodic pass places the
+    work, so a failed send is logged, never raised into the caller.
+    """
+    transaction.on_commit(send_pass_request)
+
+
+def send_pass_request() -> None:
     from jobs.tasks import schedule
 
-    transaction.on_commit(lambda: schedule.apply_async(queue="hangar.scheduler"))
+    try:
+        schedule.apply_async(queue="hangar.scheduler")
+    except Exception as exc:
+        log.warning("scheduling pass not requested (the periodic pass will run): %s", exc)
 
 
 # --- the queue as users see it ----------------------------------------------------

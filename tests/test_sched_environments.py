@@ -81,6 +81,20 @@ def test_ranks_get_torchrun_style_variables(project, owner):
     assert (env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("2", "1", "4")
 
 
+def test_every_rank_is_told_rank_0s_host_as_master(project, owner):
+    from jobs.execution import Runner
+
+    a, b = make_node("node-a", hostname="gpu-host-a"), make_node("node-b", hostname="gpu-host-b")
+    job = make_job(project, owner, nodes=2, gpus_per_node=1)
+    placement = [{"rank": 0, "node_id": a.pk, "gpus": [0]}, {"rank": 1, "node_id": b.pk, "gpus": [2]}]
+    attempt = Attempt.objects.create(job=job, number=1, node=a, placement=placement, queued_at=job.queued_at)
+
+    second = Runner(Attempt.objects.select_related("job__project", "node").get(pk=attempt.pk), rank=1)
+
+    assert (second.node.name, second.gpus) == ("node-b", [2])  # it runs on its own node ...
+    assert second.job_env()["MASTER_ADDR"] == "gpu-host-a"  # ... and meets rank 0 on rank 0's
+
+
 def test_a_rank_that_aborts_at_exit_gets_the_barrier_hint():
     from jobs.execution import abort_hint
 

@@ -21,6 +21,8 @@ def periodic(stop: threading.Event, interval: float) -> None:
             enforce_retention_if_due()
         except DatabaseError as exc:
             log.warning("periodic pass failed: %s", exc)
+        except Exception:  # a broker hiccup must not end the loop that recovers from lost messages
+            log.exception("periodic pass failed")
         finally:
             close_old_connections()
 
