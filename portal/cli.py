@@ -337,7 +337,8 @@ def log_filters(args) -> dict:
         "severity": args.severity,
         "since": args.since,
         "until": args.until,
-        "grep": args.grep,
+        "q": args.grep,
+        "regex": "1" if args.grep else None,
     }
 
 
@@ -428,9 +429,11 @@ def follow(api: Api, args, job_id: int) -> int:
 def cmd_queue(args) -> int:
     api = api_from(args)
     body = api.get("/api/v1/queue/", project=args.project)
-    rows = body["results"] if isinstance(body, dict) and "results" in body else body
-    columns = ["position", "id", "name", "project", "priority", "gpus_per_node", "reason", "estimated_start"]
-    emit(args, body, table(rows, columns))
+    waiting = table(
+        body["waiting"], ["position", "id", "name", "project", "priority", "gpus_per_node", "reason", "estimated_start"]
+    )
+    running = table(body["running"], ["id", "name", "project", "priority", "state", "attempt", "started_at"])
+    emit(args, body, f"waiting\n{waiting}\n\nrunning\n{running}")
     return EXIT_OK
 
 
@@ -454,7 +457,8 @@ def cmd_cost(args) -> int:
     try:
         body = api_from(args).get("/api/v1/costs/summary/", **params)
     except CliError as exc:
-        if exc.body.get("code") == "not_found" and "no API endpoint" in exc.body.get("message", ""):
+        body = exc.body or {}
+        if body.get("code") == "not_found" and "no API endpoint" in body.get("message", ""):
             raise CliError("this Hangar server has no cost API (/api/v1/costs/summary/); upgrade it to see costs")
         raise
     rows = body.get("rows", body) if isinstance(body, dict) else body

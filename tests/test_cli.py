@@ -95,6 +95,10 @@ def test_json_output_parses_and_wait_exits_zero_on_success(hangar):
     lines = [json.loads(line) for line in hangar("logs", str(job["id"]), "--json")[1].splitlines()]
     assert [line["text"] for line in lines if line["stream"] == "stdout"] == ["1"]
 
+    code, out, _ = hangar("queue")
+    assert code == 0 and out.startswith("waiting") and "running" in out
+    assert set(json.loads(hangar("queue", "--json")[1])) == {"waiting", "running"}
+
     code, out, _ = hangar("cost", "--by", "gpu_type", "--json")
     cost = json.loads(out)
     assert code == 0 and cost["by"] == "gpu_type"

@@ -35,7 +35,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     lookup_value_regex = r"\d+"
 
     def get_queryset(self):
-        jobs = Job.objects.visible_to(self.request.user).select_related("project", "submitted_by")
+        jobs = Job.objects.visible_to(self.request.user).select_related("project", "submitted_by", "environment")
         return filter_jobs(jobs, self.request.query_params, self.request.user).prefetch_related("attempts__node")
 
     @extend_schema(
@@ -216,12 +216,8 @@ class QueueView(APIView):
 
 
 def can_cancel(user, job: Job) -> bool:
-    if (
-        job.submitted_by_id == user.pk
-        and Project.objects.with_role(user, Role.MEMBER).filter(pk=job.project_id).exists()
-    ):
-        return True
-    return Project.objects.with_role(user, Role.MANAGER).filter(pk=job.project_id).exists()
+    """The same people who may reorder it: its submitter while a member, and the project's managers."""
+    return movable_jobs(user).filter(pk=job.pk).exists()
 
 
 def int_param(request, name: str, default: int) -> int:

@@ -7,7 +7,7 @@ lists every problem with the path of the field it concerns.
 """
 
 from django.core.exceptions import PermissionDenied
-from django.db import InterfaceError, OperationalError
+from django.db import IntegrityError, InterfaceError, OperationalError
 from django.http import Http404, JsonResponse
 from django.views.defaults import page_not_found, server_error
 from rest_framework import exceptions, status
@@ -54,6 +54,10 @@ def exception_handler(exc, context):
             }
         ]
         return Response(error_body("parse_error", errors), status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, IntegrityError):
+        # Two writes raced past a uniqueness check (or a check is missing): say so, never a 500.
+        message = "conflicts with an existing record (a name or key already in use); change it and retry"
+        return Response(error_body("conflict", [{"field": "", "message": message}]), status=status.HTTP_409_CONFLICT)
     if isinstance(exc, (OperationalError, InterfaceError)):
         body = error_body("unavailable", [{"field": "", "message": "the database is unavailable; retry shortly"}])
         return Response(body, status=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
