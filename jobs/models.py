@@ -341,10 +341,6 @@ class Attempt(models.Model):
         return STATE_COLOURS[self.state]
 
     @property
-    def is_live(self) -> bool:
-        return self.state in ACTIVE_ATTEMPT_STATES
-
-    @property
     def ranks(self) -> list[dict]:
         """Every rank's node and GPUs (a one-node attempt of old has no placement stored)."""
         if self.placement:

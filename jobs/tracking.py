@@ -118,13 +118,17 @@ def job_env(job: Job, attempt) -> dict[str, str]:
         if not job.mlflow_run_id:
             exp = experiment_id(job.project.slug)
             run = client().create_run(exp, run_name=f"job-{job.pk} {job.name}", tags=run_tags(job, attempt))
-            Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
+            won = Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
                 mlflow_experiment_id=exp, mlflow_run_id=run.info.run_id, tracking_error=""
             )
+            if not won:  # another rank's agent created the job's run first: use that one
+                client().delete_run(run.info.run_id)
             job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
         else:
-            for key, value in run_tags(job, attempt).items():
-                client().set_tag(job.mlflow_run_id, key, value)
+            from mlflow.entities import RunTag
+
+            tags = [RunTag(key, str(value)) for key, value in run_tags(job, attempt).items()]
+            client().log_batch(job.mlflow_run_id, tags=tags)  # one round trip, not one per tag
             client().update_run(job.mlflow_run_id, status="RUNNING")
     except Exception as exc:  # MLflow down or misconfigured: the job runs without tracking
         _record_error(job.pk, exc)
