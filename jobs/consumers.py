@@ -20,6 +20,7 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.db.models import OuterRef, Subquery
 
 from jobs.logquery import LogFilter, LogFilterError, first_error, read_page
 from jobs.messages import (
@@ -34,7 +35,7 @@ from jobs.messages import (
     telemetry_url,
     wire_lines,
 )
-from jobs.models import FINAL_JOB_STATES, Job
+from jobs.models import FINAL_JOB_STATES, Attempt, Job
 
 log = logging.getLogger("hangar.web")
 BATCH = 1000
@@ -153,8 +154,9 @@ class JobLogConsumer(AsyncWebsocketConsumer):
     def read(self, sub: "Subscription"):
         # The state is read before the lines: a final state seen here means
         # every line was stored before it, so none can come after "final".
-        job = Job.objects.get(pk=self.job_id)
-        latest = job.latest_attempt()
+        job_state, exit_code, attempt_state = (
+            Job.objects.filter(pk=self.job_id).values_list("state", "exit_code", Subquery(LATEST_ATTEMPT_STATE)).get()
+        )
         before = (sub.cursor["attempt"], sub.cursor["seq"])
         lines, cursor, more = read_page(self.job_id, sub.filter, before, BATCH)
         errors = []
@@ -163,7 +165,7 @@ class JobLogConsumer(AsyncWebsocketConsumer):
                 break  # not reached yet: announce it with the batch that holds it
             sub.errors_sent.add(line.attempt_id)
             errors.extend(wire_lines([line]))
-        state = (job.state, latest.state if latest else None, job.exit_code)
+        state = (job_state, attempt_state, exit_code)
         return wire_lines(lines, sub.filter.pattern()), cursor, more, state, errors
 
     async def send_state(self, state, final: bool):
@@ -179,6 +181,10 @@ class JobLogConsumer(AsyncWebsocketConsumer):
 
     async def send_json(self, message) -> None:
         await self.send(text_data=json.dumps(message))
+
+
+# The state of a job's newest attempt, read in the same query as the job's (one query a poll).
+LATEST_ATTEMPT_STATE = Attempt.objects.filter(job=OuterRef("pk")).order_by("-number").values("state")[:1]
 
 
 class Subscription:
