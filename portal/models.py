@@ -42,6 +42,13 @@ class ProjectQuerySet(models.QuerySet):
         allowed = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
         return projects.filter(memberships__user=user, memberships__role__in=allowed).distinct()
 
+    def with_role_of(self, user) -> "ProjectQuerySet":
+        """Annotate `my_role`: the user's role in each project (admin for superusers), in the same query."""
+        if user.is_superuser:
+            return self.annotate(my_role=models.Value(Role.ADMIN.value, output_field=models.CharField()))
+        role = Membership.objects.filter(project=models.OuterRef("pk"), user=user).values("role")[:1]
+        return self.annotate(my_role=models.Subquery(role))
+
     def role_of(self, user, project: "Project") -> str | None:
         """The user's role in the project (admin for superusers), or None."""
         if user is None or not user.is_authenticated or not self.visible_to(user).filter(pk=project.pk).exists():

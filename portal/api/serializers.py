@@ -5,14 +5,11 @@ from portal.models import ApiToken, AuditEvent, Membership, Project, Role, Volum
 
 
 class ProjectSerializer(serializers.ModelSerializer):
-    role = serializers.SerializerMethodField(help_text="Your role in the project.")
+    role = serializers.CharField(source="my_role", read_only=True, help_text="Your role in the project.")
 
     class Meta:
         model = Project
         fields = ["slug", "name", "created_at", "role"]
-
-    def get_role(self, project: Project) -> str | None:
-        return Project.objects.role_of(self.context["request"].user, project)
 
 
 class MembershipSerializer(serializers.ModelSerializer):

@@ -26,7 +26,7 @@ class ProjectViewSet(viewsets.ReadOnlyModelViewSet):
     queryset = Project.objects.none()
 
     def get_queryset(self):
-        return Project.objects.visible_to(self.request.user)
+        return Project.objects.visible_to(self.request.user).with_role_of(self.request.user)
 
 
 class ProjectChildMixin:
