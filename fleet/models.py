@@ -310,6 +310,8 @@ class TelemetrySample(models.Model):
     @classmethod
     def downsample(cls, node: Node, older_than, bucket_s: int = 60) -> int:
         """Fold raw samples older than `older_than` into `bucket_s` averages; returns raw rows removed."""
+        # Whole buckets only: a bucket split by the cutoff would be folded twice, into two rows.
+        older_than = datetime.fromtimestamp(int(older_than.timestamp()) // bucket_s * bucket_s, tz=UTC)
         raw = list(
             cls.objects.filter(node=node, period_s=0, at__lt=older_than)
             .order_by("at")

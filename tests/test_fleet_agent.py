@@ -200,3 +200,17 @@ def test_old_telemetry_is_folded_into_minute_averages(node):
     assert [f.utilization_pct for f in folded] == [5.5, 5.5]
     assert [f.power_throttle_s for f in folded] == [15.0, 0.0]
     assert TelemetrySample.objects.filter(period_s=0).get() == recent
+
+
+def test_a_minute_split_by_the_cutoff_is_folded_once(node):
+    minute = timezone.now().replace(second=0, microsecond=0) - timedelta(days=2)
+    TelemetrySample.objects.bulk_create(
+        TelemetrySample(node=node, gpu_index=0, at=minute + timedelta(seconds=5 * i), utilization_pct=10.0)
+        for i in range(12)
+    )
+
+    TelemetrySample.downsample(node, minute + timedelta(seconds=30))  # cutoff mid-minute: nothing whole yet
+    TelemetrySample.downsample(node, minute + timedelta(minutes=1, seconds=30))
+
+    assert TelemetrySample.objects.filter(period_s=60).count() == 1
+    assert not TelemetrySample.objects.filter(period_s=0).exists()
