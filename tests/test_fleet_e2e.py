@@ -206,6 +206,11 @@ def test_a_sigkilled_agent_loses_its_attempt_and_the_job_finishes_on_another(sta
         if current["state"] in ("succeeded", "failed", "cancelled"):
             break
         time.sleep(0.1)
+    # The lease may end the attempt (and the job finish elsewhere) before the node is marked offline.
+    while offline_after is None and time.monotonic() < deadline:
+        if node(stack, "node-b")["state"] == "offline":
+            offline_after = time.monotonic() - killed_at
+        time.sleep(0.1)
 
     assert current["state"] == "succeeded", current
     assert most_live <= 1, "two attempts of one job were live at once"
