@@ -337,8 +337,7 @@ def log_filters(args) -> dict:
         "severity": args.severity,
         "since": args.since,
         "until": args.until,
-        "q": args.grep,
-        "regex": "1" if args.grep else None,
+        **({"q": args.grep, "regex": "1"} if args.grep else {}),
     }
 
 
