@@ -43,7 +43,12 @@ _running_lock = threading.Lock()
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
 
 WATCH_SECONDS = 0.25
-CHECK_SECONDS = 0.5
+CHECK_SECONDS = 0.5  # how soon a cancel or preemption reaches the process
+
+
+def renew_every() -> float:
+    """Seconds between lease renewals (a write): a sixth of the lease, between every check and 5 s."""
+    return min(max(settings.HANGAR_LEASE_SECONDS / 6, CHECK_SECONDS), 5.0)
 
 
 def run_attempt(attempt_id: int, rank: int = 0) -> None:
@@ -147,6 +152,11 @@ class Runner:
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
         from fleet.preflight import run_preflight
 
+        if not self.wait_for_gpus():
+            outcome = self.stop_requested or Outcome(
+                AttemptState.LOST, FailureClass.INFRA, "the attempt ended while it waited for its GPUs"
+            )
+            return outcome, None
         failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
         if failures:
             reason = "preflight failed: " + "; ".join(failures)
@@ -163,6 +173,34 @@ class Runner:
         if not self.attempt.mark_running(self.proc.pid):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
         return self.watch()
+
+    def wait_for_gpus(self) -> bool:
+        """Start only when no process of an earlier attempt on this agent still holds one of
+        our GPUs. An ended attempt's rank can outlive its row's final state by its grace
+        period (a preempted job writing its checkpoint); a new process must not share the
+        GPU with it, nor read a checkpoint it is still writing. False if the attempt ended
+        or was stopped meanwhile (the lease is renewed while waiting)."""
+        announced = False
+        next_check = 0.0
+        while True:
+            with _running_lock:
+                holders = sorted(
+                    r.attempt.pk
+                    for r in RUNNING.values()
+                    if r is not self and r.proc is not None and set(r.gpus) & set(self.gpus)
+                )
+            if not holders:
+                return True
+            if not announced:
+                announced = True
+                self.system(f"waiting for attempt {', '.join(map(str, holders))} to release GPUs {self.gpu_list()}")
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHECK_SECONDS
+                self.check_current(renew=True)
+            if self.stop_requested is not None or not self.current:
+                return False
+            time.sleep(WATCH_SECONDS)
 
     def gpu_list(self) -> str:
         return ",".join(str(i) for i in self.gpus)
@@ -215,7 +253,7 @@ class Runner:
 
     def watch(self) -> tuple[Outcome, int | None]:
         deadline = time.monotonic() + self.job.max_runtime_seconds
-        next_check = 0.0
+        next_check = next_renew = 0.0
         lease_ok_at = time.monotonic()
         while self.proc.poll() is None:
             now = time.monotonic()
@@ -224,8 +262,11 @@ class Runner:
                 self.request_stop(AttemptState.FAILED, FailureClass.TIMEOUT, f"exceeded max runtime of {limit}s")
             if now >= next_check:
                 next_check = now + CHECK_SECONDS
-                if self.check_current():
+                renew = now >= next_renew
+                if self.check_current(renew):
                     lease_ok_at = now
+                    if renew:
+                        next_renew = now + renew_every()
                 elif now - lease_ok_at > settings.HANGAR_LEASE_SECONDS:
                     self.current = False
             if self.stop_requested is not None or not self.current:
@@ -233,30 +274,44 @@ class Runner:
             time.sleep(WATCH_SECONDS)
         return self.exited(self.proc.returncode)
 
-    def check_current(self) -> bool:
-        """Renew the lease and look for a cancel. False when the database could not be reached."""
+    def check_current(self, renew: bool = True) -> bool:
+        """Look for a cancel or preemption and, when `renew`, renew the lease. The renewal
+        is one conditional write that matches only a started attempt nobody asked to stop;
+        the row is read when it matches nothing, or when only looking. False when the
+        database could not be reached."""
         try:
-            renewed = Attempt.objects.filter(pk=self.attempt.pk, state__in=STARTED_ATTEMPT_STATES).update(
-                lease_expires_at=lease_from(timezone.now())
-            )
-            if not renewed:
-                self.current = False  # ended elsewhere (lease expired, reconciled): stop at once
-                return True
-            asked = (
+            if renew:
+                renewed = Attempt.objects.filter(
+                    pk=self.attempt.pk,
+                    state__in=STARTED_ATTEMPT_STATES,
+                    cancel_requested_at__isnull=True,
+                    preempt_requested_at__isnull=True,
+                ).update(lease_expires_at=lease_from(timezone.now()))
+                if renewed:
+                    return True
+            row = (
                 Attempt.objects.filter(pk=self.attempt.pk)
-                .values_list("cancel_requested_at", "preempt_requested_at", "reason")
+                .values_list("state", "cancel_requested_at", "preempt_requested_at", "reason")
                 .first()
             )
+            if renew and row is not None and row[0] in STARTED_ATTEMPT_STATES:
+                # Asked to stop: keep the lease while the process gets its grace period.
+                Attempt.objects.filter(pk=self.attempt.pk, state__in=STARTED_ATTEMPT_STATES).update(
+                    lease_expires_at=lease_from(timezone.now())
+                )
         except DatabaseError as exc:
             log.warning("attempt %s: cannot reach the database to renew its lease: %s", self.attempt.pk, exc)
             close_old_connections()
             return False
-        if asked and self.stop_requested is None:
-            cancel_at, preempt_at, reason = asked
-            if cancel_at is not None:
-                self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, reason or "cancelled")
-            elif preempt_at is not None:
-                self.request_stop(AttemptState.PREEMPTED, FailureClass.PREEMPTED, reason or "preempted")
+        state, cancel_at, preempt_at, reason = row or (None, None, None, "")
+        if state not in STARTED_ATTEMPT_STATES:
+            self.current = False  # ended elsewhere (another rank, the reconciler): stop at once
+        if cancel_at is not None:
+            self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, reason or "cancelled")
+        elif preempt_at is not None:
+            # Every rank of a preempted attempt gets the preemption grace period, also the
+            # ranks that learn of it only after another rank has ended the attempt.
+            self.request_stop(AttemptState.PREEMPTED, FailureClass.PREEMPTED, reason or "preempted")
         return True
 
     def request_stop(self, state: str, failure_class: str, reason: str) -> None:

@@ -151,6 +151,10 @@ else:
                 "timeout": 30,
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
+            # A file, not the in-memory default: tests that run agents' threads against it
+            # need WAL and the busy timeout (a shared-cache memory database answers "table is
+            # locked" at once instead of waiting).
+            "TEST": {"NAME": str(DATA_DIR / "test-hangar.sqlite3")},
         }
     }
 EMBEDDED_DATABASE = DATABASES["default"]["ENGINE"].endswith("sqlite3")

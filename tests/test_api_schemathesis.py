@@ -3,13 +3,27 @@ whatever an agent sends, the API answers with no 5xx. Bounded examples per opera
 
 import pytest
 import schemathesis
+from django.core import signals
 from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
 
 from portal.models import Role, Volume
 from tests.conftest import make_job, make_node, make_project, make_user, token_client
 
 schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", get_wsgi_application())
+
+
+@pytest.fixture(autouse=True)
+def keep_the_test_connection():
+    """Requests go straight to the WSGI handler, whose request signals would close the
+    test's database connection (mid-transaction) after each one; Django's test client
+    disconnects them the same way."""
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
+    yield
+    signals.request_started.connect(close_old_connections)
+    signals.request_finished.connect(close_old_connections)
 
 
 @pytest.fixture

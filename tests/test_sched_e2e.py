@@ -118,10 +118,6 @@ CHECKPOINTING = """
 """
 
 
-@pytest.mark.skip(
-    reason="started failing at 20:50 UTC on 2026-11-29 even on code that passed CI at 20:30 (the urgent job "
-    "stays running); under investigation, see the session's closing note"
-)
 def test_a_preempted_scavenger_checkpoints_and_resumes_after_the_urgent_job(stack):
     scavenger = stack.submit(script(CHECKPOINTING), name="scavenger", priority="scavenger", nodes=2, gpus_per_node=4)
     stack.wait_for(scavenger["id"], ("running",), timeout=60)

@@ -1,0 +1,130 @@
+"""The agent's Runner: handing GPUs over between attempts, and how a rank learns that it must stop."""
+
+import sys
+import threading
+import time
+
+import pytest
+from django.utils import timezone
+
+from fleet import agent
+from fleet.models import GPU
+from jobs import execution, scheduler
+from jobs.models import Attempt, AttemptState, FailureClass, JobState, LogLine
+from tests.conftest import make_attempt, make_job
+from tests.conftest import make_node as make_bare_node
+
+
+@pytest.fixture(autouse=True)
+def no_agent_in_this_process():
+    agent.CURRENT = None
+    yield
+    agent.CURRENT = None
+
+
+def make_node(name: str, gpus: int):
+    """A node whose GPUs just reported healthy telemetry, so preflight passes."""
+    node = make_bare_node(name, gpus=gpus)
+    GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    return node
+
+
+class StoppingRank:
+    """What RUNNING holds for a rank of an ended attempt whose process is still in its grace period."""
+
+    def __init__(self, attempt: Attempt, gpus: list[int]):
+        self.attempt, self.gpus, self.proc = attempt, gpus, object()
+
+
+def test_a_new_rank_waits_until_the_previous_attempts_process_releases_its_gpus(transactional_db, project, owner):
+    node = make_node("node-a", gpus=2)
+    old = make_attempt(make_job(project, owner), node, AttemptState.PREEMPTED, gpu_indices=[0, 1])
+    execution.RUNNING[old.pk] = StoppingRank(old, [0, 1])
+    job = make_job(project, owner, command=[sys.executable, "-c", "import time; print(f'started {time.time():.6f}')"])
+    (attempt,) = scheduler.schedule_pass()
+    released_at = []
+
+    def release():
+        time.sleep(1.5)
+        released_at.append(time.time())
+        execution.RUNNING.pop(old.pk)
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    try:
+        execution.run_attempt(attempt.pk)
+    finally:
+        releaser.join()
+        execution.RUNNING.pop(old.pk, None)
+
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED, attempt.reason
+    texts = list(LogLine.objects.filter(attempt=attempt).order_by("seq").values_list("text", flat=True))
+    assert f"[hangar] waiting for attempt {old.pk} to release GPUs 0" in texts
+    (started,) = [float(t.split()[1]) for t in texts if t.startswith("started ")]
+    assert started > released_at[0]  # the command started only once the GPUs were free
+
+
+def test_a_rank_on_other_gpus_does_not_wait(transactional_db, project, owner):
+    node = make_node("node-a", gpus=2)
+    old = make_attempt(make_job(project, owner), node, AttemptState.RUNNING, gpu_indices=[1])
+    execution.RUNNING[old.pk] = StoppingRank(old, [1])
+    try:
+        job = make_job(project, owner, command=[sys.executable, "-c", "print('hi')"])
+        (attempt,) = scheduler.schedule_pass()
+        assert attempt.gpu_indices == [0]
+        execution.run_attempt(attempt.pk)
+    finally:
+        execution.RUNNING.pop(old.pk, None)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    assert not LogLine.objects.filter(attempt=attempt, text__contains="waiting for attempt").exists()
+
+
+def runner_for(attempt: Attempt) -> execution.Runner:
+    attempt = Attempt.objects.select_related("job", "node").get(pk=attempt.pk)
+    return execution.Runner(attempt)
+
+
+def test_a_rank_that_finds_its_attempt_already_preempted_stops_as_preempted(db, project, owner, node):
+    attempt = make_attempt(make_job(project, owner), node, AttemptState.RUNNING)
+    runner = runner_for(attempt)
+    # Another rank got the SIGTERM first, exited, and ended the attempt.
+    Attempt.objects.filter(pk=attempt.pk).update(
+        preempt_requested_at=timezone.now(), state=AttemptState.PREEMPTED, reason="preempted to make room for job 9"
+    )
+
+    assert runner.check_current(renew=True)
+
+    assert runner.current is False
+    assert (runner.stop_requested.state, runner.stop_requested.failure_class) == (
+        AttemptState.PREEMPTED,
+        FailureClass.PREEMPTED,
+    )
+    assert runner.stop_requested.reason == "preempted to make room for job 9"
+
+
+def test_a_renewal_extends_the_lease_also_while_a_cancelled_process_gets_its_grace(db, project, owner, node):
+    attempt = make_attempt(make_job(project, owner), node, AttemptState.RUNNING)
+    Attempt.objects.filter(pk=attempt.pk).update(lease_expires_at=timezone.now())
+    runner = runner_for(attempt)
+
+    assert runner.check_current(renew=True) and runner.stop_requested is None and runner.current
+    renewed = Attempt.objects.get(pk=attempt.pk).lease_expires_at
+    assert renewed > timezone.now()
+
+    Attempt.objects.filter(pk=attempt.pk).update(cancel_requested_at=timezone.now(), lease_expires_at=timezone.now())
+    assert runner.check_current(renew=True)
+    assert runner.current  # still current: it ends when its process has
+    assert runner.stop_requested.state == AttemptState.CANCELLED
+    assert Attempt.objects.get(pk=attempt.pk).lease_expires_at > timezone.now()
+
+
+def test_a_look_without_renewal_writes_nothing(db, project, owner, node):
+    attempt = make_attempt(make_job(project, owner), node, AttemptState.RUNNING)
+    Attempt.objects.filter(pk=attempt.pk).update(lease_expires_at=None)
+    runner = runner_for(attempt)
+
+    assert runner.check_current(renew=False) and runner.current and runner.stop_requested is None
+    assert Attempt.objects.get(pk=attempt.pk).lease_expires_at is None
