@@ -62,14 +62,13 @@ def node_environments(nodes: list[Node]) -> dict[int, frozenset[str]]:
     return {n.pk: frozenset(everywhere | advertised[n.pk]) for n in nodes}
 
 
-def free_gpus(nodes: list[Node]) -> list[FreeNode]:
-    """What the nodes have free: every GPU no live attempt's rank holds."""
+def free_gpus(nodes: list[Node], running: list[RunningAttempt], envs: dict[int, frozenset[str]]) -> list[FreeNode]:
+    """What the nodes have free: every GPU no live attempt's rank holds. A fresh list
+    each call: a plan takes GPUs out of the lists it is given."""
     used: dict[int, set[int]] = defaultdict(set)
-    live = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).values_list("node_id", "gpu_indices", "placement")
-    for node_id, indices, placement in live:
-        for rank in placement or [{"node_id": node_id, "gpus": indices}]:
-            used[rank["node_id"]].update(rank["gpus"])
-    envs = node_environments(nodes)
+    for attempt in running:
+        for node_id, gpus in attempt.placement:
+            used[node_id].update(gpus)
     return [
         FreeNode(n.pk, n.gpu_model, [i for i in range(n.gpu_count) if i not in used[n.pk]], envs[n.pk], n.gpu_count)
         for n in nodes
@@ -157,7 +156,7 @@ def schedule_pass() -> list[Attempt]:
             return []
         projects, running = project_limits(), running_attempts()
         mark_borrowed(running, projects)  # by the quotas as they are now
-        decided = plan(queued_jobs(), free_gpus(nodes), running, projects)
+        decided = plan(queued_jobs(), free_gpus(nodes, running, node_environments(nodes)), running, projects)
         placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
         for attempt_id, job_id in decided.preemptions.items():
             preempt(attempt_id, f"preempted to make room for job {job_id}")
@@ -268,11 +267,11 @@ def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     without locks (a dry run of the next pass); and the reasons by job id."""
     now = now or timezone.now()
     nodes = list(Node.objects.schedulable().order_by("pk"))
-    fleet, running, projects = free_gpus(nodes), running_attempts(now), project_limits()
+    running, projects, envs = running_attempts(now), project_limits(), node_environments(nodes)
     mark_borrowed(running, projects)
     jobs = queued_jobs()
-    decided = plan(jobs, fleet, running, projects)
-    starts = estimate_starts(jobs, free_gpus(nodes), running)
+    decided = plan(jobs, free_gpus(nodes, running, envs), running, projects)
+    starts = estimate_starts(jobs, free_gpus(nodes, running, envs), running)
     starting = {p.job_id for p in decided.placements}
     rows = []
     for position, job in enumerate(jobs, start=1):
