@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from datetime import date
 from decimal import Decimal
+from itertools import islice
 
 from django.db.models import DecimalField, F, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce
@@ -14,7 +15,7 @@ from django.http import Http404
 from django.utils import timezone
 
 from jobs.costs import WASTED_LABELS, wasted_share
-from jobs.models import FINAL_JOB_STATES, Attempt, Budget, CostDaily, Job, JobState, attempt_cost_of
+from jobs.models import FINAL_JOB_STATES, Attempt, Budget, CostDaily, GpuRate, Job, JobState, attempt_cost_of
 from portal.models import Project, Role
 
 ROLLUPS = {"project": "project__slug", "user": "user__username", "gpu_type": "gpu_type", "day": "day", "label": "label"}
@@ -131,24 +132,37 @@ ROW_FIELDS = (
 
 
 def job_rows(jobs: QuerySet, chunk_size: int = 2000):
-    """Lines of the per-job table, as shown, sent by the API and written to CSV."""
-    for values in jobs.values(*ROW_FIELDS).iterator(chunk_size=chunk_size):
-        yield job_row(values)
+    """Lines of the per-job table, as shown, sent by the API and written to CSV. Jobs
+    still running are costed so far: their live attempts are read once per chunk."""
+    values = jobs.values(*ROW_FIELDS).iterator(chunk_size=chunk_size)
+    rates: dict[str, list] = {}
+    while chunk := list(islice(values, chunk_size)):
+        live = live_attempts([v["id"] for v in chunk if v["state"] not in (*FINAL_JOB_STATES, JobState.QUEUED)])
+        for v in chunk:
+            attempt = live.get(v["id"])
+            if attempt is not None and attempt.node.gpu_model not in rates:
+                rates[attempt.node.gpu_model] = GpuRate.rates_for(attempt.node.gpu_model)
+            yield job_row(v, attempt, rates.get(attempt.node.gpu_model) if attempt else None)
 
 
-def job_row(v: dict) -> dict:
+def live_attempts(job_ids: list[int]) -> dict[int, Attempt]:
+    if not job_ids:
+        return {}
+    rows = Attempt.objects.select_related("node", "job").filter(job_id__in=job_ids, finished_at=None)
+    return {a.job_id: a for a in rows}
+
+
+def job_row(v: dict, live: Attempt | None = None, rates: list | None = None) -> dict:
     """One line of the per-job table from a job's values; a job still running adds its
     live attempt's cost so far (no cost row yet means no attempt of it has finished)."""
     preflight = v["cost__preflight_cost"] or Decimal(0)
     running = v["cost__running_cost"] or Decimal(0)
     gpu_seconds, attempts = v["cost__gpu_seconds"] or 0.0, v["cost__attempts"] or 0
     gpu_type = v["cost__gpu_type"] or v["gpu_type"]
-    if v["state"] not in FINAL_JOB_STATES and v["state"] != JobState.QUEUED:
-        live = Attempt.objects.select_related("node", "job").filter(job_id=v["id"], finished_at=None).first()
-        if live is not None:
-            so_far = attempt_cost_of(live)
-            preflight, running = preflight + so_far.preflight_cost, running + so_far.running_cost
-            gpu_seconds, attempts, gpu_type = gpu_seconds + so_far.gpu_seconds, attempts + 1, live.node.gpu_model
+    if live is not None:
+        so_far = attempt_cost_of(live, rates=rates)
+        preflight, running = preflight + so_far.preflight_cost, running + so_far.running_cost
+        gpu_seconds, attempts, gpu_type = gpu_seconds + so_far.gpu_seconds, attempts + 1, live.node.gpu_model
     return {
         "job": v["id"],
         "name": v["name"],

@@ -695,8 +695,9 @@ class JobCost(models.Model):
         transaction.on_commit(lambda: tracking.attempt_finished(job.pk))
 
 
-def attempt_cost_of(attempt: "Attempt", now=None):
-    """The cost of one attempt (so far, while it runs) at the rates of its node's GPU type."""
+def attempt_cost_of(attempt: "Attempt", now=None, rates: list | None = None):
+    """The cost of one attempt (so far, while it runs) at the rates of its node's GPU type
+    (`rates`, when the caller has loaded them already)."""
     from jobs.costs import attempt_cost
 
     return attempt_cost(
@@ -704,7 +705,7 @@ def attempt_cost_of(attempt: "Attempt", now=None):
         attempt.started_at,
         attempt.running_at,
         attempt.finished_at,
-        GpuRate.rates_for(attempt.node.gpu_model),
+        GpuRate.rates_for(attempt.node.gpu_model) if rates is None else rates,
         now or timezone.now(),
         attempt.state,
         attempt.failure_class,

@@ -253,6 +253,23 @@ def test_a_running_job_shows_its_cost_so_far(project, owner, node, rate):
     assert row["state"] == "running" and Decimal(row["cost"]) == approx("2.50")
 
 
+def test_running_jobs_are_costed_with_a_fixed_number_of_queries(
+    project, owner, node, rate, django_assert_max_num_queries
+):
+    from jobs import costreports
+
+    for _ in range(6):
+        make_attempt(
+            make_job(project, owner), node, "running", started_at=timezone.now() - H, running_at=timezone.now() - H
+        )
+    table = costreports.job_table(owner, costreports.CostFilter.from_params({}))
+
+    with django_assert_max_num_queries(4):  # the jobs, their live attempts, the H100 rates
+        rows = list(costreports.job_rows(table))
+
+    assert len(rows) == 6 and all(Decimal(r["cost"]) == approx("2.50") for r in rows)
+
+
 def test_a_member_cannot_see_another_projects_costs(outsider, other_project, costed_jobs):
     client = logged_in(outsider)
     assert client.get("/costs/?project=vision").status_code == 404
