@@ -385,9 +385,29 @@ class HealthEvent(models.Model):
         ordering = ["-at", "-id"]
         indexes = [models.Index(fields=["node", "at"])]
 
+    JOB_STOPPED = "job stopped"  # in `action` when the policy stopped the jobs the event hit
+
     @property
     def severity_colour(self) -> str:
         return {"critical": "red", "warning": "orange"}.get(self.severity, "grey")
+
+    @classmethod
+    def stopping_fault(cls, attempt_id: int, node_id: int, gpus: list[int]) -> "HealthEvent | None":
+        """A health event recorded since the attempt started whose policy stops the jobs it hits,
+        on this rank's node and GPUs (or on the attempt itself, from its output). A process that
+        exits non-zero before the agent's stop reaches it most likely died of that fault."""
+        from jobs.models import Attempt
+
+        started = Attempt.objects.filter(pk=attempt_id).values_list("started_at", flat=True).first()
+        if started is None:
+            return None
+        own = models.Q(attempt_id=attempt_id)
+        on_its_gpus = models.Q(attempt__isnull=True) & (models.Q(gpu_index__isnull=True) | models.Q(gpu_index__in=gpus))
+        return (
+            cls.objects.filter(own | on_its_gpus, node_id=node_id, at__gte=started, action__contains=cls.JOB_STOPPED)
+            .order_by("at")
+            .first()
+        )
 
     @classmethod
     def record(cls, node: Node, finding: health.Finding, attempt=None) -> tuple["HealthEvent", health.Decision]:
@@ -398,7 +418,7 @@ class HealthEvent(models.Model):
             since = timezone.now() - timedelta(minutes=rule.window_minutes)
             recent = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since).count()
         decision = health.decide(finding, health_policy(), rule, recent)
-        actions = [a for a, on in (("cordoned", decision.cordon), ("job stopped", decision.stop_job)) if on]
+        actions = [a for a, on in (("cordoned", decision.cordon), (cls.JOB_STOPPED, decision.stop_job)) if on]
         evidence = {**finding.evidence, "decision": decision.why}
         event = cls.objects.create(
             node=node,

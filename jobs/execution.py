@@ -348,6 +348,13 @@ class Runner:
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         self.system(reason, error=True)
+        from fleet.models import HealthEvent
+
+        # A hardware fault can kill the process before the agent's stop reaches it: still infra.
+        fault = HealthEvent.stopping_fault(self.attempt.pk, self.node.pk, self.gpus)
+        if fault is not None:
+            reason += f" after a health event on its GPUs: {fault.message}"
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
 
     def system(self, text: str, error: bool = False) -> None:
