@@ -19,7 +19,7 @@ from django.utils.text import slugify
 
 from fleet import health
 from fleet.gpus import GpuProvider, GpuSample
-from fleet.models import GPU, FaultInjection, HealthEvent, Node, TelemetrySample
+from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
 
 log = logging.getLogger("hangar.agent")
 
@@ -85,7 +85,12 @@ class Agent:
         if time.monotonic() < self.silent_until:
             return  # an injected "agent silent" fault: no heartbeat, no telemetry
         busy = {i for runner in running() for i in runner.attempt.gpu_indices}
-        samples = self.provider.sample(busy)
+        try:
+            samples = self.provider.sample(busy)
+        except Exception as exc:  # the agent is alive, the driver is not: unhealthy, not offline
+            self.node.heartbeat()
+            self.node.mark_unhealthy(f"the GPU driver did not answer: {type(exc).__name__}: {exc}", {"error": str(exc)})
+            return
         self.store(samples, timezone.now())
         self.node.heartbeat()
         findings = health.telemetry_findings(self.previous, samples)
@@ -95,7 +100,19 @@ class Agent:
                 handle_finding(self.node, finding)
             except Exception:
                 log.exception("node %s: health finding %s not handled", self.node.name, finding.kind)
+        self.update_condition(samples)
         self.compact()
+
+    def update_condition(self, samples: list[GpuSample]) -> None:
+        """Mark the node unhealthy while it cannot use all its GPUs; ready again once it can.
+        (Runs after the findings, so a fault the policy cordons for stays a cordon.)"""
+        reason, evidence = health.unhealthy_reason(self.node.gpu_count, samples)
+        if reason:
+            self.node.mark_unhealthy(reason, evidence)
+        elif self.node.state == NodeState.UNHEALTHY:
+            # One conditional write per heartbeat only while this agent last saw it unhealthy.
+            self.node.mark_healthy("every registered GPU answers again")
+            self.node.refresh_from_db(fields=["state"])
 
     def store(self, samples: list[GpuSample], now) -> None:
         gpus = {g.index: g for g in self.node.gpus.all()}

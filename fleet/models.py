@@ -29,6 +29,10 @@ class NodeState(models.TextChoices):
         return {"ready": "green", "cordoned": "orange", "draining": "orange", "offline": "grey"}.get(self, "red")
 
 
+# States set by the system, not a person: a silent agent turns them offline.
+OFFLINE_FROM = (NodeState.READY, NodeState.UNHEALTHY)
+
+
 class NodeQuerySet(models.QuerySet):
     def schedulable(self) -> "NodeQuerySet":
         """Ready nodes whose agent was heard from recently: the only ones work goes to."""
@@ -99,6 +103,19 @@ class Node(models.Model):
             AuditEvent.record(None, "node.auto_cordon", self, reason=reason, detail={"evidence": evidence or {}})
         return False
 
+    def mark_unhealthy(self, reason: str, evidence: dict | None = None) -> bool:
+        """The agent is alive but cannot use all the node's GPUs (see `health.unhealthy_reason`).
+        Only a ready node becomes unhealthy: a cordon or drain already keeps work off, and its
+        reason (and burn-in duty) must not be replaced by a condition that may clear by itself."""
+        ready = {"state__in": [NodeState.READY]}
+        return self._change_state(NodeState.UNHEALTHY, None, reason, "node.unhealthy", evidence, only_if=ready)
+
+    def mark_healthy(self, reason: str) -> bool:
+        """The condition that made the node unhealthy cleared: back to ready. Only from unhealthy,
+        which is only ever set automatically; an operator's later cordon is kept."""
+        only = {"state__in": [NodeState.UNHEALTHY]}
+        return self._change_state(NodeState.READY, None, reason, "node.healthy", only_if=only)
+
     def drain(self, by, reason: str) -> bool:
         """No new work; what runs there finishes."""
         return self._change_state(NodeState.DRAINING, by, reason, "node.drain")
@@ -139,14 +156,14 @@ class Node(models.Model):
 
     @classmethod
     def mark_silent_offline(cls) -> list["Node"]:
-        """Ready nodes whose heartbeat stopped become offline; their attempts are lost (infra) and requeued.
+        """Ready (or unhealthy) nodes whose heartbeat stopped go offline; their attempts are lost (infra), requeued.
 
         A cordoned or draining node keeps its state (and its reason): the
         heartbeat that brings an offline node back makes it ready, and that must
         not silently undo a person's cordon. Attempts there end by their lease.
         """
         cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
-        silent = list(cls.objects.filter(state=NodeState.READY, last_heartbeat_at__lt=cutoff))
+        silent = list(cls.objects.filter(state__in=OFFLINE_FROM, last_heartbeat_at__lt=cutoff))
         gone = []
         for node in silent:
             reason = f"no heartbeat since {node.last_heartbeat_at:%Y-%m-%d %H:%M:%S} UTC"
