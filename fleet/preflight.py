@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.conf import settings
+from django.db.models import Max
 from django.utils import timezone
 
 from fleet.gpus import GpuSample
@@ -307,7 +308,51 @@ def burn_in(node: Node) -> tuple[bool, list[Result]]:
     )
     results.append(Result("heartbeat", bool(fresh), f"last heartbeat {node.last_heartbeat_at}"))
     record(node, results, "burn-in")
-    return all(r.passed for r in results), results
+    if not all(r.passed for r in results):
+        return False, results  # no point loading GPUs that already fail a check
+    results.append(stress_on_node(node))
+    return results[-1].passed, results
+
+
+def stress_here(node_id: int) -> Result | None:
+    """Run and record the stress step, if this process is the node's agent (else None)."""
+    from fleet import agent, stress
+
+    current = agent.CURRENT
+    if current is None or current.node is None or current.node.pk != node_id:
+        return None
+    node = current.node
+    indices = sorted(node.gpus.values_list("index", flat=True))
+    start = time.perf_counter()
+    try:
+        passed, evidence = stress.run(current.provider, node, indices)
+    except Exception as exc:  # a driver or subprocess failure is the step's evidence
+        passed, evidence = False, f"the stress step failed to run: {type(exc).__name__}: {exc}"
+    result = Result("stress", passed, evidence, (time.perf_counter() - start) * 1000)
+    record(node, [result], "burn-in")
+    return result
+
+
+def stress_on_node(node: Node) -> Result:
+    """The stress step runs where the GPUs are: in this process if it is the node's agent, else
+    sent to the agent's queue; its recorded check is awaited (the row is the answer)."""
+    here = stress_here(node.pk)
+    if here is not None:
+        return here
+    from fleet.tasks import burn_in_stress
+
+    before = HealthCheck.objects.aggregate(last=Max("pk"))["last"] or 0
+    burn_in_stress.apply_async(args=[node.pk], queue=node.queue)
+    wait = float(getattr(settings, "HANGAR_BURN_IN_WAIT_SECONDS", 60.0))
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        row = HealthCheck.objects.filter(node=node, suite="burn-in", name="stress", pk__gt=before).first()
+        if row is not None:
+            return Result(row.name, row.passed, row.evidence, row.duration_ms)
+        time.sleep(0.25)
+    result = Result("stress", False, f"the node's agent did not run the stress step within {wait:g}s", wait * 1000)
+    record(node, [result], "burn-in")
+    return result
 
 
 @dataclass(frozen=True)
