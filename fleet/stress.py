@@ -83,9 +83,13 @@ def torch_python(candidates: list[str]) -> tuple[str | None, str]:
         except (OSError, subprocess.TimeoutExpired) as exc:
             tried.append(f"{python}: {type(exc).__name__}")
             continue
-        if out.returncode == 0 and out.stdout.strip().isdigit() and int(out.stdout.strip()) > 0:
-            return python, ""
-        tried.append(f"{python}: " + (out.stderr.strip().splitlines() or [f"{out.stdout.strip()} CUDA devices"])[-1])
+        count = out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else []
+        if count and count[0].isdigit():
+            if int(count[0]) > 0:
+                return python, ""
+            tried.append(f"{python}: torch sees no CUDA device")
+        else:
+            tried.append(f"{python}: " + ((out.stderr.strip().splitlines() or ["no answer"])[-1])[:200])
     return None, "; ".join(tried)
 
 
