@@ -90,8 +90,7 @@ def poller() -> FleetPoller:
     return _pollers[loop]
 
 
-@database_sync_to_async
-def read_views(views: set[ViewKey]) -> dict[ViewKey, str]:
+def read_views_now(views: set[ViewKey]) -> dict[ViewKey, str]:
     """One database poll: the node counts once, and each view's page of nodes once."""
     from fleet.views import fleet_page
 
@@ -102,6 +101,9 @@ def read_views(views: set[ViewKey]) -> dict[ViewKey, str]:
         message: FleetMessage = {"type": "nodes", "nodes": [node_wire(n) for n in page.object_list], "counts": counts}
         out[view] = json.dumps(message)
     return out
+
+
+read_views = database_sync_to_async(read_views_now)
 
 
 class FleetConsumer(AsyncWebsocketConsumer):
