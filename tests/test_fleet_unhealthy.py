@@ -107,3 +107,31 @@ def test_fewer_answering_gpus_than_registered_is_unhealthy():
     reason, evidence = health.unhealthy_reason(2, samples)
     assert reason == "only 1 of 2 registered GPUs answer" and evidence["answering_gpus"] == 1
     assert health.unhealthy_reason(1, samples)[0] == ""
+
+
+def test_an_nvml_driver_error_makes_the_node_unhealthy_until_nvml_answers(db):
+    from fleet.gpus import NvmlProvider
+    from tests.fakenvml import FakeNvml, NVMLError, device
+
+    class FailingNvml(FakeNvml):
+        failing = False
+
+        def nvmlDeviceGetUtilizationRates(self, handle):
+            if self.failing:
+                raise NVMLError("Unknown Error")
+            return super().nvmlDeviceGetUtilizationRates(handle)
+
+    nvml = FailingNvml([device(), device(uuid="GPU-bbbb")])
+    nv_agent = Agent("nv-1", NvmlProvider(nvml), 5.0)
+    nv_agent.register()
+    try:
+        nvml.failing = True
+        nv_agent.report()
+        assert state(nv_agent) == NodeState.UNHEALTHY
+        assert "Unknown Error" in Node.objects.get(pk=nv_agent.node.pk).state_reason
+
+        nvml.failing = False
+        nv_agent.report()
+        assert state(nv_agent) == NodeState.READY
+    finally:
+        agent_module.CURRENT = None
