@@ -88,8 +88,9 @@ class Agent:
         try:
             samples = self.provider.sample(busy)
         except Exception as exc:  # the agent is alive, the driver is not: unhealthy, not offline
-            self.node.heartbeat()
+            # Before the heartbeat, which would bring an offline node back as ready for a moment.
             self.node.mark_unhealthy(f"the GPU driver did not answer: {type(exc).__name__}: {exc}", {"error": str(exc)})
+            self.node.heartbeat()
             return
         self.store(samples, timezone.now())
         self.node.heartbeat()

@@ -105,9 +105,10 @@ class Node(models.Model):
 
     def mark_unhealthy(self, reason: str, evidence: dict | None = None) -> bool:
         """The agent is alive but cannot use all the node's GPUs (see `health.unhealthy_reason`).
-        Only a ready node becomes unhealthy: a cordon or drain already keeps work off, and its
-        reason (and burn-in duty) must not be replaced by a condition that may clear by itself."""
-        ready = {"state__in": [NodeState.READY]}
+        Only a ready (or offline, whose agent is back) node becomes unhealthy: a cordon or drain
+        already keeps work off, and its reason (and burn-in duty) must not be replaced by a
+        condition that may clear by itself."""
+        ready = {"state__in": [NodeState.READY, NodeState.OFFLINE]}
         return self._change_state(NodeState.UNHEALTHY, None, reason, "node.unhealthy", evidence, only_if=ready)
 
     def mark_healthy(self, reason: str) -> bool:

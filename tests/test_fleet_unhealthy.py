@@ -135,3 +135,14 @@ def test_an_nvml_driver_error_makes_the_node_unhealthy_until_nvml_answers(db):
         assert state(nv_agent) == NodeState.READY
     finally:
         agent_module.CURRENT = None
+
+
+def test_an_offline_node_whose_agent_returns_with_a_dead_driver_is_unhealthy_not_ready(sim_agent):
+    Node.objects.filter(pk=sim_agent.node.pk).update(state=NodeState.OFFLINE)
+    sim_agent.provider.hung = True
+
+    sim_agent.report()
+
+    node = Node.objects.get(pk=sim_agent.node.pk)
+    assert node.state == NodeState.UNHEALTHY and node.last_heartbeat_at is not None
+    assert not AuditEvent.objects.filter(action="node.online").exists()
