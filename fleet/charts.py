@@ -143,6 +143,7 @@ def with_throttle_seconds(node: Node, attempts: list) -> list:
     for attempt in attempts:
         ranks = by_rank.get(attempt.pk, [])
         here = [r for r in ranks if r.node_id == node.pk]
+        attempt.gpus_here = [g for r in attempt.ranks if r["node_id"] == node.pk for g in r["gpus"]]
         attempt.thermal_s = sum(r.thermal_s for r in here)
         attempt.power_s = sum(r.power_s for r in here)
         attempt.straggler = next((r for r in ranks if r.straggler), None)

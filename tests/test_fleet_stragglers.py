@@ -79,12 +79,23 @@ def test_the_node_page_flags_the_straggler_with_one_query_for_all_attempts(
         )
     client = browser(owner)
 
-    with django_assert_max_num_queries(10):  # one of them sums every attempt's throttling
+    with django_assert_max_num_queries(11):  # one of them sums every attempt's throttling
         page = client.get("/fleet/nodes/node-a/").content.decode()
 
     row = next(r for r in page.split("<tr") if f"/jobs/{job.pk}/" in r)
     assert "25 s / 0 s" in row and "node-b" in row and "straggler" in row
     assert Attempt.objects.filter(node=a).count() == 11
+
+
+def test_the_straggler_nodes_own_page_shows_the_attempt_it_ran_as_rank_one(owner, outsider, two_node_attempt):
+    job, attempt, a, b = two_node_attempt
+
+    page = browser(owner).get("/fleet/nodes/node-b/").content.decode()
+
+    row = next(r for r in page.split("<tr") if f"/jobs/{job.pk}/" in r)
+    assert "<td>0,1</td>" in row  # node-b's own GPUs
+    assert "100 s / 50 s" in row and "this node" in row
+    assert f"/jobs/{job.pk}/" not in browser(outsider).get("/fleet/nodes/node-b/").content.decode()
 
 
 def test_no_straggler_when_no_node_throttled(owner, two_node_attempt):
