@@ -42,23 +42,34 @@ class Agent:
         self.silent_until = 0.0
         self.next_compact = 0.0
 
-    def register(self) -> Node:
-        """Create or update this node and its GPUs from the provider's inventory."""
+    def register(self, accept_inventory: bool = False) -> Node:
+        """Create or update this node and its GPUs from the provider's inventory.
+
+        Real GPUs the node had registered that the driver no longer lists stay registered
+        (as lost) and the node is unhealthy: a GPU vanishing from the driver is a fault.
+        After a deliberate hardware change, `accept_inventory` makes the new list the node's.
+        """
         global CURRENT
         inventory = self.provider.inventory()
         model = inventory[0].model if inventory else "none"
+        listed = [g.index for g in inventory]
+        vanished = []
+        if not (self.provider.simulated or accept_inventory):  # a simulated node's GPU count is configuration
+            registered = GPU.objects.filter(node__name=self.name).values_list("index", flat=True)
+            vanished = sorted(set(registered) - set(listed))
         with transaction.atomic():
             node, _ = Node.objects.update_or_create(
                 name=self.name,
                 defaults={
                     "hostname": socket.gethostname(),
                     "gpu_model": model,
-                    "gpu_count": len(inventory),
+                    "gpu_count": len(inventory) + len(vanished),
                     "simulated": self.provider.simulated,
                     "last_heartbeat_at": timezone.now(),
                 },
             )
-            node.gpus.exclude(index__in=[g.index for g in inventory]).delete()
+            node.gpus.exclude(index__in=listed + vanished).delete()
+            node.gpus.filter(index__in=vanished).update(lost=True)
             for gpu in inventory:
                 GPU.objects.update_or_create(
                     node=node,
@@ -68,6 +79,9 @@ class Agent:
         self.node = node
         CURRENT = self
         self.end_orphaned_attempts()
+        if vanished:
+            reason = f"the driver lists {len(listed)} of {node.gpu_count} registered GPUs (missing {vanished})"
+            node.mark_unhealthy(reason, {"listed_gpus": listed, "missing_gpus": vanished})
         node.heartbeat()
         return node
 

@@ -146,3 +146,28 @@ def test_an_offline_node_whose_agent_returns_with_a_dead_driver_is_unhealthy_not
     node = Node.objects.get(pk=sim_agent.node.pk)
     assert node.state == NodeState.UNHEALTHY and node.last_heartbeat_at is not None
     assert not AuditEvent.objects.filter(action="node.online").exists()
+
+
+def test_an_nvml_gpu_that_vanished_from_the_driver_at_agent_restart_keeps_the_node_unhealthy(db):
+    from fleet.gpus import NvmlProvider
+    from fleet.models import GPU
+    from tests.fakenvml import FakeNvml, device
+
+    Agent("nv-1", NvmlProvider(FakeNvml([device(), device(uuid="GPU-bbbb")])), 5.0).register()
+
+    restarted = Agent("nv-1", NvmlProvider(FakeNvml([device()])), 5.0)  # GPU 1 gone from the PCI bus
+    restarted.register()
+    restarted.report()
+
+    node = Node.objects.get(name="nv-1")
+    assert (node.state, node.gpu_count) == (NodeState.UNHEALTHY, 2)
+    assert node.state_reason == "the driver lists 1 of 2 registered GPUs (missing [1])"
+    assert GPU.objects.get(node=node, index=1).lost
+
+    replaced = Agent("nv-1", NvmlProvider(FakeNvml([device()])), 5.0)
+    replaced.register(accept_inventory=True)  # the operator removed the GPU on purpose
+    replaced.report()
+
+    node.refresh_from_db()
+    assert (node.state, node.gpu_count) == (NodeState.READY, 1)
+    agent_module.CURRENT = None
