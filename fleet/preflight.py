@@ -188,9 +188,11 @@ def listen_for_ranks(attempt_id: int, port: int, expected: int, still_current) -
                 conn.settimeout(2.0)
                 try:
                     conn.sendall(greeting)
-                    seen.add(int(conn.recv(64).decode().split()[-1]))
+                    rank = int(conn.recv(64).decode().split()[-1])
                 except (OSError, ValueError, IndexError):
                     continue  # not a rank of ours
+                if 1 <= rank <= expected:
+                    seen.add(rank)
     if not still_current():
         return False, f"the attempt ended (another rank failed, or a cancel) while rank 0 waited on port {port}"
     missing = sorted(set(range(1, expected + 1)) - seen)
