@@ -8,12 +8,14 @@ template, no network):
 
 - the fleet page (first page, a filtered page, the last page),
 - a node page with its Plotly charts over 24 hours,
+- the fleet websocket's database poll (one per tick per process, shared by all browsers),
 - telemetry ingest: the agents' own write path (`Agent.store`: latest values
   and history rows) for many nodes in a row, as GPU samples per second.
 
     python bench/fleet_page.py [--quick] [--nodes N]
 
-Last line: nodes=... gpus=... history_rows=... fleet_page_ms=... node_page_ms=... ingest_samples_per_s=...
+Last line: nodes=... gpus=... history_rows=... fleet_page_ms=... node_page_ms=... ws_poll_ms=...
+ingest_samples_per_s=...
 """
 
 import argparse
@@ -109,6 +111,20 @@ def timed(client, url: str, runs: int) -> float:
     return statistics.median(timings)
 
 
+def ws_poll_ms(runs: int) -> float:
+    """The fleet websocket's database poll: once per tick per process, whatever the number of browsers."""
+    from fleet.consumers import read_views_now
+
+    views = {(), (("gpu", "H100"), ("state", "ready"))}
+    read_views_now(views)
+    timings = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        read_views_now(views)
+        timings.append((time.perf_counter() - started) * 1000)
+    return statistics.median(timings)
+
+
 def ingest_rate(nodes: int) -> float:
     """GPU samples per second through the agents' write path, one node report after another."""
     from django.utils import timezone
@@ -160,15 +176,17 @@ def main() -> None:
     last_ms = timed(client, f"/fleet/?page={last}", 5)
     node_ms = timed(client, "/fleet/nodes/gpu-0000/?window=24h", 3)
     api_ms = timed(client, "/api/v1/nodes/?limit=50", 5)
+    poll_ms = ws_poll_ms(5)
     rate = ingest_rate(min(nodes, 200))
     print(f"fleet page: first {fleet_ms:.1f} ms, filtered {filtered_ms:.1f} ms, last page {last_ms:.1f} ms")
+    print(f"fleet websocket: one poll for every browser of a process (first page + a filtered page): {poll_ms:.1f} ms")
     print(
         f"node page (24 h, {int(hours * 720 * GPUS)} samples of the node): {node_ms:.1f} ms; nodes API: {api_ms:.1f} ms"
     )
     print(
         f"nodes={nodes} gpus={nodes * GPUS} history_rows={rows} fleet_page_ms={fleet_ms:.1f} "
         f"fleet_filtered_ms={filtered_ms:.1f} node_page_ms={node_ms:.1f} nodes_api_ms={api_ms:.1f} "
-        f"ingest_samples_per_s={rate:.0f}"
+        f"ws_poll_ms={poll_ms:.1f} ingest_samples_per_s={rate:.0f}"
     )
 
 

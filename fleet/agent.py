@@ -19,7 +19,7 @@ from django.utils.text import slugify
 
 from fleet import health
 from fleet.gpus import GpuProvider, GpuSample
-from fleet.models import GPU, FaultInjection, HealthEvent, Node, TelemetrySample
+from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
 
 log = logging.getLogger("hangar.agent")
 
@@ -42,23 +42,34 @@ class Agent:
         self.silent_until = 0.0
         self.next_compact = 0.0
 
-    def register(self) -> Node:
-        """Create or update this node and its GPUs from the provider's inventory."""
+    def register(self, accept_inventory: bool = False) -> Node:
+        """Create or update this node and its GPUs from the provider's inventory.
+
+        Real GPUs the node had registered that the driver no longer lists stay registered
+        (as lost) and the node is unhealthy: a GPU vanishing from the driver is a fault.
+        After a deliberate hardware change, `accept_inventory` makes the new list the node's.
+        """
         global CURRENT
         inventory = self.provider.inventory()
         model = inventory[0].model if inventory else "none"
+        listed = [g.index for g in inventory]
+        vanished = []
+        if not (self.provider.simulated or accept_inventory):  # a simulated node's GPU count is configuration
+            registered = GPU.objects.filter(node__name=self.name).values_list("index", flat=True)
+            vanished = sorted(set(registered) - set(listed))
         with transaction.atomic():
             node, _ = Node.objects.update_or_create(
                 name=self.name,
                 defaults={
                     "hostname": socket.gethostname(),
                     "gpu_model": model,
-                    "gpu_count": len(inventory),
+                    "gpu_count": len(inventory) + len(vanished),
                     "simulated": self.provider.simulated,
                     "last_heartbeat_at": timezone.now(),
                 },
             )
-            node.gpus.exclude(index__in=[g.index for g in inventory]).delete()
+            node.gpus.exclude(index__in=listed + vanished).delete()
+            node.gpus.filter(index__in=vanished).update(lost=True)
             for gpu in inventory:
                 GPU.objects.update_or_create(
                     node=node,
@@ -68,6 +79,9 @@ class Agent:
         self.node = node
         CURRENT = self
         self.end_orphaned_attempts()
+        if vanished:
+            reason = f"the driver lists {len(listed)} of {node.gpu_count} registered GPUs (missing {vanished})"
+            node.mark_unhealthy(reason, {"listed_gpus": listed, "missing_gpus": vanished})
         node.heartbeat()
         return node
 
@@ -85,7 +99,13 @@ class Agent:
         if time.monotonic() < self.silent_until:
             return  # an injected "agent silent" fault: no heartbeat, no telemetry
         busy = {i for runner in running() for i in runner.attempt.gpu_indices}
-        samples = self.provider.sample(busy)
+        try:
+            samples = self.provider.sample(busy)
+        except Exception as exc:  # the agent is alive, the driver is not: unhealthy, not offline
+            # Before the heartbeat, which would bring an offline node back as ready for a moment.
+            self.node.mark_unhealthy(f"the GPU driver did not answer: {type(exc).__name__}: {exc}", {"error": str(exc)})
+            self.node.heartbeat()
+            return
         self.store(samples, timezone.now())
         self.node.heartbeat()
         findings = health.telemetry_findings(self.previous, samples)
@@ -95,7 +115,19 @@ class Agent:
                 handle_finding(self.node, finding)
             except Exception:
                 log.exception("node %s: health finding %s not handled", self.node.name, finding.kind)
+        self.update_condition(samples)
         self.compact()
+
+    def update_condition(self, samples: list[GpuSample]) -> None:
+        """Mark the node unhealthy while it cannot use all its GPUs; ready again once it can.
+        (Runs after the findings, so a fault the policy cordons for stays a cordon.)"""
+        reason, evidence = health.unhealthy_reason(self.node.gpu_count, samples)
+        if reason:
+            self.node.mark_unhealthy(reason, evidence)
+        elif self.node.state == NodeState.UNHEALTHY:
+            # One conditional write per heartbeat only while this agent last saw it unhealthy.
+            self.node.mark_healthy("every registered GPU answers again")
+            self.node.refresh_from_db(fields=["state"])
 
     def store(self, samples: list[GpuSample], now) -> None:
         gpus = {g.index: g for g in self.node.gpus.all()}

@@ -1,10 +1,11 @@
 """Plotly figures of a node's telemetry, built in Python and shipped as JSON to the bundled plotly.js."""
 
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import plotly.graph_objects as go
-from django.db.models import Avg, F, Sum
+from django.db.models import Avg, Case, F, IntegerField, Q, Sum, Value, When
 from django.utils import timezone
 from plotly.subplots import make_subplots
 
@@ -70,20 +71,82 @@ def node_figure_json(node: Node, since: datetime) -> str:
     return json.dumps({"data": traces, "layout": figure.to_plotly_json()["layout"]}, default=str)
 
 
-def with_throttle_seconds(node: Node, attempts: list) -> list:
-    """Annotate attempts with the seconds their GPUs spent thermal- and power-throttled on this node."""
+def throttle_seconds(attempts) -> dict[tuple[int, int], tuple[float, float]]:
+    """(thermal, power) seconds throttled by (attempt id, node id), for every rank of the attempts
+    that ran: one grouped query, whatever the number of attempts and ranks. A sample belongs to
+    the attempt whose rank held its GPU at that time (GPUs are never shared, so at most one)."""
     now = timezone.now()
+    whens, nodes, windows = [], set(), []
     for attempt in attempts:
-        attempt.thermal_s = attempt.power_s = 0.0
         if attempt.running_at is None:
             continue
-        totals = TelemetrySample.objects.filter(
-            node=node,
-            gpu_index__in=attempt.gpu_indices,
-            at__gte=attempt.running_at,
-            at__lte=attempt.finished_at or now,
-        ).aggregate(thermal=Sum("thermal_throttle_s"), power=Sum("power_throttle_s"))
-        attempt.thermal_s, attempt.power_s = totals["thermal"] or 0.0, totals["power"] or 0.0
+        until = attempt.finished_at or now
+        windows.append((attempt.running_at, until))
+        for rank in attempt.ranks:
+            nodes.add(rank["node_id"])
+            held = Q(node_id=rank["node_id"], gpu_index__in=rank["gpus"], at__gte=attempt.running_at, at__lte=until)
+            whens.append(When(held, then=Value(attempt.pk)))
+    if not whens:
+        return {}
+    rows = (
+        TelemetrySample.objects.filter(
+            node_id__in=nodes, at__gte=min(w[0] for w in windows), at__lte=max(w[1] for w in windows)
+        )
+        .annotate(attempt_pk=Case(*whens, default=Value(None), output_field=IntegerField()))
+        .exclude(attempt_pk=None)
+        .order_by()
+        .values_list("attempt_pk", "node_id")
+        .annotate(thermal=Sum("thermal_throttle_s"), power=Sum("power_throttle_s"))
+    )
+    return {(pk, node): (thermal or 0.0, power or 0.0) for pk, node, thermal, power in rows}
+
+
+@dataclass
+class RankThrottle:
+    rank: int
+    node_id: int
+    node: str
+    thermal_s: float
+    power_s: float
+    straggler: bool = False
+
+    @property
+    def total_s(self) -> float:
+        return self.thermal_s + self.power_s
+
+
+def throttle_by_rank(attempts, node_names: dict[int, str] | None = None) -> dict[int, list[RankThrottle]]:
+    """Per attempt that ran, each rank's node and time throttled; in a multi-node attempt the
+    node that throttled most is flagged (every rank waits for it)."""
+    seconds = throttle_seconds(attempts)
+    out = {}
+    for attempt in attempts:
+        if attempt.running_at is None:
+            continue
+        ranks = []
+        for r in attempt.ranks:
+            name = r.get("node") or (node_names or {}).get(r["node_id"]) or attempt.node.name
+            thermal, power = seconds.get((attempt.pk, r["node_id"]), (0.0, 0.0))
+            ranks.append(RankThrottle(r["rank"], r["node_id"], name, thermal, power))
+        if len(ranks) > 1:
+            slowest = straggler({r.node: r.total_s for r in ranks})
+            for r in ranks:
+                r.straggler = r.node == slowest
+        out[attempt.pk] = ranks
+    return out
+
+
+def with_throttle_seconds(node: Node, attempts: list) -> list:
+    """Annotate attempts (that ran on this node) with the seconds its GPUs spent thermal- and
+    power-throttled there, and the straggler of a multi-node attempt."""
+    by_rank = throttle_by_rank(attempts, {node.pk: node.name})
+    for attempt in attempts:
+        ranks = by_rank.get(attempt.pk, [])
+        here = [r for r in ranks if r.node_id == node.pk]
+        attempt.gpus_here = [g for r in attempt.ranks if r["node_id"] == node.pk for g in r["gpus"]]
+        attempt.thermal_s = sum(r.thermal_s for r in here)
+        attempt.power_s = sum(r.power_s for r in here)
+        attempt.straggler = next((r for r in ranks if r.straggler), None)
     return attempts
 
 

@@ -157,3 +157,16 @@ def telemetry_findings(previous: dict[int, GpuSample], samples: list[GpuSample])
                 evidence = {"reasons": list(s.throttle_reasons), "temperature_c": s.temperature_c, "power_w": s.power_w}
                 out.append(Finding(kind, "warning", f"GPU {s.index}: {kind} throttling", s.index, None, evidence))
     return out
+
+
+def unhealthy_reason(registered: int, samples: list[GpuSample]) -> tuple[str, dict]:
+    """Why a node whose agent reports is still unusable, or "" when it is not: fewer GPUs answer
+    than the node registered with, or a GPU has fallen off the bus. (A driver that does not answer
+    at all is the agent's to report: it gets no samples.)"""
+    lost = sorted(s.index for s in samples if s.lost)
+    evidence = {"registered_gpus": registered, "answering_gpus": len(samples) - len(lost), "lost_gpus": lost}
+    if len(samples) < registered:
+        return f"only {len(samples)} of {registered} registered GPUs answer", evidence
+    if lost:
+        return f"GPUs {lost} have fallen off the bus", evidence
+    return "", evidence

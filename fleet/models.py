@@ -29,6 +29,10 @@ class NodeState(models.TextChoices):
         return {"ready": "green", "cordoned": "orange", "draining": "orange", "offline": "grey"}.get(self, "red")
 
 
+# States set by the system, not a person: a silent agent turns them offline.
+OFFLINE_FROM = (NodeState.READY, NodeState.UNHEALTHY)
+
+
 class NodeQuerySet(models.QuerySet):
     def schedulable(self) -> "NodeQuerySet":
         """Ready nodes whose agent was heard from recently: the only ones work goes to."""
@@ -99,6 +103,20 @@ class Node(models.Model):
             AuditEvent.record(None, "node.auto_cordon", self, reason=reason, detail={"evidence": evidence or {}})
         return False
 
+    def mark_unhealthy(self, reason: str, evidence: dict | None = None) -> bool:
+        """The agent is alive but cannot use all the node's GPUs (see `health.unhealthy_reason`).
+        Only a ready (or offline, whose agent is back) node becomes unhealthy: a cordon or drain
+        already keeps work off, and its reason (and burn-in duty) must not be replaced by a
+        condition that may clear by itself."""
+        ready = {"state__in": [NodeState.READY, NodeState.OFFLINE]}
+        return self._change_state(NodeState.UNHEALTHY, None, reason, "node.unhealthy", evidence, only_if=ready)
+
+    def mark_healthy(self, reason: str) -> bool:
+        """The condition that made the node unhealthy cleared: back to ready. Only from unhealthy,
+        which is only ever set automatically; an operator's later cordon is kept."""
+        only = {"state__in": [NodeState.UNHEALTHY]}
+        return self._change_state(NodeState.READY, None, reason, "node.healthy", only_if=only)
+
     def drain(self, by, reason: str) -> bool:
         """No new work; what runs there finishes."""
         return self._change_state(NodeState.DRAINING, by, reason, "node.drain")
@@ -139,14 +157,14 @@ class Node(models.Model):
 
     @classmethod
     def mark_silent_offline(cls) -> list["Node"]:
-        """Ready nodes whose heartbeat stopped become offline; their attempts are lost (infra) and requeued.
+        """Ready (or unhealthy) nodes whose heartbeat stopped go offline; their attempts are lost (infra), requeued.
 
         A cordoned or draining node keeps its state (and its reason): the
         heartbeat that brings an offline node back makes it ready, and that must
         not silently undo a person's cordon. Attempts there end by their lease.
         """
         cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
-        silent = list(cls.objects.filter(state=NodeState.READY, last_heartbeat_at__lt=cutoff))
+        silent = list(cls.objects.filter(state__in=OFFLINE_FROM, last_heartbeat_at__lt=cutoff))
         gone = []
         for node in silent:
             reason = f"no heartbeat since {node.last_heartbeat_at:%Y-%m-%d %H:%M:%S} UTC"
@@ -385,9 +403,29 @@ class HealthEvent(models.Model):
         ordering = ["-at", "-id"]
         indexes = [models.Index(fields=["node", "at"])]
 
+    JOB_STOPPED = "job stopped"  # in `action` when the policy stopped the jobs the event hit
+
     @property
     def severity_colour(self) -> str:
         return {"critical": "red", "warning": "orange"}.get(self.severity, "grey")
+
+    @classmethod
+    def stopping_fault(cls, attempt_id: int, node_id: int, gpus: list[int]) -> "HealthEvent | None":
+        """A health event recorded since the attempt started whose policy stops the jobs it hits,
+        on this rank's node and GPUs (or on the attempt itself, from its output). A process that
+        exits non-zero before the agent's stop reaches it most likely died of that fault."""
+        from jobs.models import Attempt
+
+        started = Attempt.objects.filter(pk=attempt_id).values_list("started_at", flat=True).first()
+        if started is None:
+            return None
+        own = models.Q(attempt_id=attempt_id)
+        on_its_gpus = models.Q(attempt__isnull=True) & (models.Q(gpu_index__isnull=True) | models.Q(gpu_index__in=gpus))
+        return (
+            cls.objects.filter(own | on_its_gpus, node_id=node_id, at__gte=started, action__contains=cls.JOB_STOPPED)
+            .order_by("at")
+            .first()
+        )
 
     @classmethod
     def record(cls, node: Node, finding: health.Finding, attempt=None) -> tuple["HealthEvent", health.Decision]:
@@ -398,7 +436,7 @@ class HealthEvent(models.Model):
             since = timezone.now() - timedelta(minutes=rule.window_minutes)
             recent = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since).count()
         decision = health.decide(finding, health_policy(), rule, recent)
-        actions = [a for a, on in (("cordoned", decision.cordon), ("job stopped", decision.stop_job)) if on]
+        actions = [a for a, on in (("cordoned", decision.cordon), (cls.JOB_STOPPED, decision.stop_job)) if on]
         evidence = {**finding.evidence, "decision": decision.why}
         event = cls.objects.create(
             node=node,

@@ -158,6 +158,10 @@ class Runner:
             )
             return outcome, None
         failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
+        if not failures and self.world_size > 1:
+            failures = self.rendezvous()
+            if self.stop_requested is not None:
+                return self.stop_requested, None
         if failures:
             reason = "preflight failed: " + "; ".join(failures)
             self.system(reason, error=True)
@@ -173,6 +177,18 @@ class Runner:
         if not self.attempt.mark_running(self.proc.pid):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
         return self.watch()
+
+    def rendezvous(self) -> list[str]:
+        """Multi-node preflight: this rank and rank 0 reach each other on the job's MASTER_PORT."""
+        from fleet.preflight import run_rendezvous
+
+        port = int(rank_env(self.attempt, self.rank, "")["MASTER_PORT"])
+        return run_rendezvous(self.attempt, self.rank, self.world_size, self.master_addr(), port, self.still_current)
+
+    def still_current(self) -> bool:
+        """For waits before the process starts: renews the lease, sees a cancel or another rank's end."""
+        self.check_current(renew=True)
+        return self.current and self.stop_requested is None
 
     def wait_for_gpus(self) -> bool:
         """Start only when no process of an earlier attempt on this agent still holds one of
@@ -348,6 +364,13 @@ class Runner:
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         self.system(reason, error=True)
+        from fleet.models import HealthEvent
+
+        # A hardware fault can kill the process before the agent's stop reaches it: still infra.
+        fault = HealthEvent.stopping_fault(self.attempt.pk, self.node.pk, self.gpus)
+        if fault is not None:
+            reason += f" after a health event on its GPUs: {fault.message}"
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
 
     def system(self, text: str, error: bool = False) -> None:

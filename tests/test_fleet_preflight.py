@@ -6,6 +6,7 @@ import pytest
 from django.utils import timezone
 
 from fleet import agent, preflight
+from fleet.gpus import SimulatedProvider
 from fleet.models import GPU, HealthCheck, Node, NodeState
 from jobs import execution, scheduler
 from jobs.models import AttemptState, FailureClass, JobState
@@ -102,8 +103,17 @@ def test_a_healthy_node_passes_and_stays_ready(project, owner, node):
     assert HealthCheck.objects.filter(attempt=attempt, passed=True).count() == 6
 
 
-def test_uncordoning_an_auto_cordoned_node_runs_a_burn_in(node, owner):
-    healthy(node)
+def agent_for(node: Node) -> agent.Agent:
+    """This test process plays the node's agent, with simulated GPUs: the stress step runs here."""
+    sim = agent.Agent(node.name, SimulatedProvider(node.name, node.gpu_model, node.gpu_count), 5.0)
+    sim.node = node
+    agent.CURRENT = sim
+    return sim
+
+
+def test_uncordoning_an_auto_cordoned_node_runs_a_burn_in(node, owner, settings):
+    settings.HANGAR_BURN_IN_STRESS_SECONDS = 0.3
+    agent_for(healthy(node))
     GPU.objects.filter(node=node, index=3).update(ecc_uncorrected_volatile=2)
     node.auto_cordon("Xid 48", {"xid": 48})
 
@@ -123,7 +133,53 @@ def test_uncordoning_an_auto_cordoned_node_runs_a_burn_in(node, owner):
     assert audit.actor == owner and audit.reason == "replaced the DIMM"
     assert audit.detail["previous_state"] == "cordoned"
     assert audit.detail["evidence"]["burn_in"]["ecc"]["passed"] is True
-    assert HealthCheck.objects.filter(node=node, suite="burn-in").count() == 14
+    stress = audit.detail["evidence"]["burn_in"]["stress"]
+    assert stress["passed"] is True and "simulated stress: GPUs [0, 1, 2, 3] loaded" in stress["evidence"]
+    # 7 checks refused (the stress step is not run on a node that fails one), then 7 and the stress.
+    assert HealthCheck.objects.filter(node=node, suite="burn-in").count() == 15
+
+
+def test_a_fault_that_shows_only_under_load_fails_the_burn_in(node, owner, settings):
+    settings.HANGAR_BURN_IN_STRESS_SECONDS = 0.3
+    sim = agent_for(healthy(node))
+    node.auto_cordon("Xid 79", {"xid": 79})
+    sim.provider.inject("thermal", 2, seconds=60)  # idle telemetry is fine; the stress throttles
+
+    refused = preflight.return_to_service(node, owner, "reseated the GPU")
+
+    node.refresh_from_db()
+    assert not refused.done and node.state == NodeState.CORDONED and node.auto_cordoned
+    assert "stress: simulated stress: GPU 2 throttled under load" in refused.message
+    check = HealthCheck.objects.get(node=node, suite="burn-in", name="stress")
+    assert not check.passed and check.duration_ms >= 300 and "hw_thermal" in check.evidence
+    audit = AuditEvent.objects.get(action="node.burn_in_failed")
+    assert audit.actor == owner and audit.detail["burn_in"]["stress"]["passed"] is False
+
+    sim.provider.inject("clear")
+    assert preflight.return_to_service(node, owner, "reseated the GPU").done
+
+
+def test_a_burn_in_whose_node_agent_does_not_answer_fails(node, owner, settings):
+    settings.HANGAR_BURN_IN_WAIT_SECONDS = 0.5  # no agent consumes this node's queue here
+    healthy(node).auto_cordon("Xid 79", {"xid": 79})
+
+    refused = preflight.return_to_service(node, owner, "replaced the GPU")
+
+    node.refresh_from_db()
+    assert not refused.done and node.state == NodeState.CORDONED
+    assert "agent did not run the stress step within 0.5s" in refused.message
+
+
+def test_on_real_gpus_the_stress_is_a_torch_matmul_or_skipped_with_the_reason(node):
+    from fleet import stress
+
+    python, tried = stress.torch_python(stress.interpreters(node))
+    passed, evidence = stress.with_torch(node, [0], 1.0)
+
+    if python is None:  # this machine: no CUDA device for torch to see
+        assert passed and evidence.startswith("skipped: no interpreter with PyTorch and CUDA") and tried in evidence
+    else:
+        assert passed and "TFLOP/s, consistent" in evidence, evidence
 
 
 def test_an_operator_can_override_the_burn_in_with_a_reason(node, owner):

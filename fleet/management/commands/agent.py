@@ -26,18 +26,24 @@ class Command(BaseCommand):
         parser.add_argument("--sim-gpus", type=int, default=int(os.environ.get("HANGAR_SIM_GPUS") or 4))
         parser.add_argument("--sim-model", default=os.environ.get("HANGAR_SIM_GPU_MODEL") or "H100")
         parser.add_argument(
+            "--accept-inventory",
+            action="store_true",
+            help="After a deliberate hardware change: the GPUs the driver lists now are the node's "
+            "(without it, registered GPUs that vanished keep the node unhealthy).",
+        )
+        parser.add_argument(
             "--environments",
             default=os.environ.get("HANGAR_NODE_ENVIRONMENTS", ""),
             help="Comma-separated environments this node can run (besides those that run everywhere), e.g. ai.",
         )
 
-    def handle(self, *args, node, simulate, sim_gpus, sim_model, environments, **options):
+    def handle(self, *args, node, simulate, sim_gpus, sim_model, environments, accept_inventory, **options):
         if sim_model not in SIMULATED_MODELS:
             raise CommandError(f"--sim-model {sim_model!r} is unknown; use one of {', '.join(SIMULATED_MODELS)}")
         if sim_gpus < 1:
             raise CommandError("--sim-gpus must be at least 1")
         agent = Agent(node, detect_provider(node, simulate, sim_model, sim_gpus), settings.HANGAR_HEARTBEAT_SECONDS)
-        registered = agent.register()
+        registered = agent.register(accept_inventory=accept_inventory)
         kind = "simulated" if registered.simulated else "NVML"
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
         names = [n.strip() for n in environments.split(",") if n.strip()]
