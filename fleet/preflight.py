@@ -134,7 +134,7 @@ POLL_SECONDS = 0.2
 
 
 def rendezvous_seconds() -> float:
-    return float(getattr(settings, "HANGAR_RENDEZVOUS_SECONDS", 30.0))
+    return settings.HANGAR_RENDEZVOUS_SECONDS
 
 
 def run_rendezvous(attempt, rank: int, world_size: int, master_addr: str, port: int, still_current) -> list[str]:
@@ -345,7 +345,7 @@ def stress_on_node(node: Node) -> Result:
 
     before = HealthCheck.objects.aggregate(last=Max("pk"))["last"] or 0
     burn_in_stress.apply_async(args=[node.pk], queue=node.queue)
-    wait = float(getattr(settings, "HANGAR_BURN_IN_WAIT_SECONDS", 60.0))
+    wait = settings.HANGAR_BURN_IN_WAIT_SECONDS
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         row = HealthCheck.objects.filter(node=node, suite="burn-in", name="stress", pk__gt=before).first()

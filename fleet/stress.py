@@ -45,7 +45,7 @@ PROBE = "import torch; print(torch.cuda.device_count())"
 
 
 def stress_seconds() -> float:
-    return float(getattr(settings, "HANGAR_BURN_IN_STRESS_SECONDS", 3.0))
+    return settings.HANGAR_BURN_IN_STRESS_SECONDS
 
 
 def simulated(provider: GpuProvider, indices: list[int], seconds: float) -> tuple[bool, str]:
@@ -95,7 +95,7 @@ def torch_python(candidates: list[str]) -> tuple[str | None, str]:
 
 def interpreters(node) -> list[str]:
     """Where torch may be: the configured one, the node's host environments, the agent's own."""
-    found = [getattr(settings, "HANGAR_BURN_IN_PYTHON", "")]
+    found = [settings.HANGAR_BURN_IN_PYTHON]
     for env in node.environments.filter(kind="host").exclude(path=""):
         found.append(str(Path(env.path) / "bin" / "python"))
     found.append(sys.executable)

@@ -340,6 +340,10 @@ for _name, _kinds in (
 HANGAR_PREFLIGHT_MAX_TEMP_C = env_float("HANGAR_PREFLIGHT_MAX_TEMP_C", 85.0)
 HANGAR_TELEMETRY_RAW_HOURS = env_float("HANGAR_TELEMETRY_RAW_HOURS", 24.0, minimum=0.01)
 HANGAR_FLEET_POLL_SECONDS = env_float("HANGAR_FLEET_POLL_SECONDS", 2.0, minimum=0.1)
+HANGAR_RENDEZVOUS_SECONDS = env_float("HANGAR_RENDEZVOUS_SECONDS", 30.0, minimum=0.1)
+HANGAR_BURN_IN_STRESS_SECONDS = env_float("HANGAR_BURN_IN_STRESS_SECONDS", 3.0, minimum=0.1)
+HANGAR_BURN_IN_WAIT_SECONDS = env_float("HANGAR_BURN_IN_WAIT_SECONDS", 60.0, minimum=0.1)
+HANGAR_BURN_IN_PYTHON = env_str("HANGAR_BURN_IN_PYTHON")
 # --- Experiment tracking (jobs/tracking.py) ---------------------------------
 # Embedded default: a local MLflow store in the data directory, no server.
 MLFLOW_TRACKING_URI = env_str("MLFLOW_TRACKING_URI", f"sqlite:///{(DATA_DIR / 'mlflow.db').as_posix()}")
