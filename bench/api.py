@@ -6,10 +6,15 @@ clients — each with its own API token, keep-alive connections — submit jobs
 through `POST /api/v1/jobs/` for a fixed time. Every request is a full submit:
 token check, validation, capacity check, insert, history row, scheduler wake-up.
 
-    python bench/api.py [--quick] [--clients N] [--seconds S]
+    python bench/api.py [--quick] [--clients N] [--seconds S] [--workers W] [--postgres]
 
-Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
-Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=...
+Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
+--postgres makes a fresh database of its own on the local PostgreSQL and a Redis key
+prefix of its own (HANGAR_TEST_POSTGRES_URL, HANGAR_TEST_REDIS_URL), dropped at the end.
+Django runs every synchronous view of one web process on one thread, so a process
+serves one request at a time: throughput scales with --workers (uvicorn processes,
+default: the machine's cores), up to the cores the clients leave free.
+Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=... workers=...
 """
 
 import argparse
@@ -63,9 +68,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 s of load instead of 30")
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="web processes (uvicorn --workers)")
+    parser.add_argument("--postgres", action="store_true", help="a fresh database on the local PostgreSQL")
     args = parser.parse_args()
-    seconds = args.seconds or (5 if args.quick else 30)
+    if args.postgres:
+        from portal.livestack import ServicesDatabase
 
+        services = ServicesDatabase()
+        if missing := services.available():
+            sys.exit(missing)
+        with services as env:
+            os.environ.update(env)
+            run(args)
+    else:
+        run(args)
+
+
+def run(args) -> None:
+    seconds = args.seconds or (5 if args.quick else 30)
     data_dir = tempfile.mkdtemp(prefix="hangar-bench-api-")
     os.environ["HANGAR_DATA_DIR"] = data_dir
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
@@ -81,7 +101,8 @@ def main() -> None:
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     # The bench measures throughput, so the rate limit must not be what it measures.
-    with LiveStack(data_dir=data_dir, env={"HANGAR_API_RATE_LIMIT": "1000000/min"}) as stack:
+    env = {"HANGAR_API_RATE_LIMIT": "1000000/min", "HANGAR_WEB_WORKERS": str(args.workers)}
+    with LiveStack(data_dir=data_dir, env=env) as stack:
         for node in Node.objects.all():
             node.cordon(None, "bench/api.py: keep submitted jobs queued")
         admin = get_user_model().objects.get(username="admin")
@@ -94,7 +115,7 @@ def main() -> None:
     print(f"{len(latencies)} jobs submitted in {elapsed:.1f} s by {args.clients} clients, {errors} errors")
     print(
         f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
-        f"errors={errors} clients={args.clients} seconds={seconds:g}"
+        f"errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers}"
     )
 
 
