@@ -28,6 +28,45 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process under it (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(parents.get(found[-1], []))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def web_processes(root: int) -> list[int]:
+    """The uvicorn process under `manage.py up`, and its workers."""
+    for pid in descendants(root):
+        try:
+            if b"uvicorn" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return descendants(pid)
+        except OSError:
+            continue
+    return []
+
+
 def percentile(values: list[float], pct: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))] if ordered else float("nan")
@@ -108,14 +147,26 @@ def run(args) -> None:
         admin = get_user_model().objects.get(username="admin")
         tokens = [ApiToken.issue(admin, f"bench-{i}")[1] for i in range(args.clients)]
         asyncio.run(load(stack.url, tokens[:5], 1.0))  # warm up: imports, connections
+        web = web_processes(stack.proc.pid)
+        others = [pid for pid in descendants(stack.proc.pid) if pid not in web]
+        web_cpu, other_cpu = cpu_seconds(web), cpu_seconds(others)
         latencies, errors, elapsed = asyncio.run(load(stack.url, tokens, seconds))
+        web_cpu, other_cpu = cpu_seconds(web) - web_cpu, cpu_seconds(others) - other_cpu
 
     rate = len(latencies) / elapsed
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
     print(f"{len(latencies)} jobs submitted in {elapsed:.1f} s by {args.clients} clients, {errors} errors")
+    # CPU per submit holds under a loaded machine where the rate does not: the rate a
+    # machine sustains is about (cores for the web server) / web_cpu_ms_per_submit.
+    done = max(len(latencies), 1)
+    print(
+        f"web server CPU {web_cpu * 1000 / done:.1f} ms per submit; scheduler and agent "
+        f"{other_cpu * 1000 / done:.1f} ms per submit; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     print(
         f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
-        f"errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers}"
+        f"errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers} "
+        f"web_cpu_ms={web_cpu * 1000 / done:.1f}"
     )
 
 
