@@ -194,7 +194,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
     # Per API token (or per signed-in user, or per address when anonymous),
-    # counted in this process's cache: "N/s", "N/min", "N/hour" or "N/day".
+    # counted in Redis when REDIS_URL is set, else per process: "N/s", "N/min", "N/hour" or "N/day".
     "DEFAULT_THROTTLE_RATES": {"token": env_str("HANGAR_API_RATE_LIMIT", "1200/min")},
 }
 
