@@ -6,10 +6,15 @@ clients — each with its own API token, keep-alive connections — submit jobs
 through `POST /api/v1/jobs/` for a fixed time. Every request is a full submit:
 token check, validation, capacity check, insert, history row, scheduler wake-up.
 
-    python bench/api.py [--quick] [--clients N] [--seconds S]
+    python bench/api.py [--quick] [--clients N] [--seconds S] [--workers W] [--postgres]
 
-Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
-Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=...
+Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
+--postgres makes a fresh database of its own on the local PostgreSQL and a Redis key
+prefix of its own (HANGAR_TEST_POSTGRES_URL, HANGAR_TEST_REDIS_URL), dropped at the end.
+Django runs every synchronous view of one web process on one thread, so a process
+serves one request at a time: throughput scales with --workers (uvicorn processes,
+default: the machine's cores), up to the cores the clients leave free.
+Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=... workers=...
 """
 
 import argparse
@@ -21,6 +26,45 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process under it (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(parents.get(found[-1], []))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def web_processes(root: int) -> list[int]:
+    """The uvicorn process under `manage.py up`, and its workers."""
+    for pid in descendants(root):
+        try:
+            if b"uvicorn" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return descendants(pid)
+        except OSError:
+            continue
+    return []
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -63,9 +107,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 s of load instead of 30")
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="web processes (uvicorn --workers)")
+    parser.add_argument("--postgres", action="store_true", help="a fresh database on the local PostgreSQL")
     args = parser.parse_args()
-    seconds = args.seconds or (5 if args.quick else 30)
+    if args.postgres:
+        from portal.livestack import ServicesDatabase
 
+        services = ServicesDatabase()
+        if missing := services.available():
+            sys.exit(missing)
+        with services as env:
+            os.environ.update(env)
+            run(args)
+    else:
+        run(args)
+
+
+def run(args) -> None:
+    seconds = args.seconds or (5 if args.quick else 30)
     data_dir = tempfile.mkdtemp(prefix="hangar-bench-api-")
     os.environ["HANGAR_DATA_DIR"] = data_dir
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
@@ -81,20 +140,33 @@ def main() -> None:
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     # The bench measures throughput, so the rate limit must not be what it measures.
-    with LiveStack(data_dir=data_dir, env={"HANGAR_API_RATE_LIMIT": "1000000/min"}) as stack:
+    env = {"HANGAR_API_RATE_LIMIT": "1000000/min", "HANGAR_WEB_WORKERS": str(args.workers)}
+    with LiveStack(data_dir=data_dir, env=env) as stack:
         for node in Node.objects.all():
             node.cordon(None, "bench/api.py: keep submitted jobs queued")
         admin = get_user_model().objects.get(username="admin")
         tokens = [ApiToken.issue(admin, f"bench-{i}")[1] for i in range(args.clients)]
         asyncio.run(load(stack.url, tokens[:5], 1.0))  # warm up: imports, connections
+        web = web_processes(stack.proc.pid)
+        others = [pid for pid in descendants(stack.proc.pid) if pid not in web]
+        web_cpu, other_cpu = cpu_seconds(web), cpu_seconds(others)
         latencies, errors, elapsed = asyncio.run(load(stack.url, tokens, seconds))
+        web_cpu, other_cpu = cpu_seconds(web) - web_cpu, cpu_seconds(others) - other_cpu
 
     rate = len(latencies) / elapsed
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
     print(f"{len(latencies)} jobs submitted in {elapsed:.1f} s by {args.clients} clients, {errors} errors")
+    # CPU per submit holds under a loaded machine where the rate does not: the rate a
+    # machine sustains is about (cores for the web server) / web_cpu_ms_per_submit.
+    done = max(len(latencies), 1)
+    print(
+        f"web server CPU {web_cpu * 1000 / done:.1f} ms per submit; scheduler and agent "
+        f"{other_cpu * 1000 / done:.1f} ms per submit; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     print(
         f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
-        f"errors={errors} clients={args.clients} seconds={seconds:g}"
+        f"errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers} "
+        f"web_cpu_ms={web_cpu * 1000 / done:.1f}"
     )
 
 

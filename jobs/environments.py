@@ -1,31 +1,119 @@
 """How a job's command runs in its environment: on the host (optionally inside a
-virtualenv or interpreter prefix), or in a container through `docker run --gpus`."""
+virtualenv or interpreter prefix), or in a container through `docker run --gpus`;
+and as whom: HANGAR_JOB_USER, so that an agent running as root does not run jobs as root."""
 
+import functools
+import logging
+import os
+import pwd
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
 
 from jobs.models import EnvironmentKind, Job
 
+log = logging.getLogger("hangar.agent")
+
 # The agent's own variables are not the job's: the container gets only these names.
 HOST_ONLY = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL", "CUDA_VISIBLE_DEVICES")
 
 
-def command_for(job: Job, env: dict[str, str], gpus: list[int], workdir: Path, name: str):
-    """The argv and environment to start for one rank of `job`."""
+@dataclass(frozen=True)
+class JobUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+
+class JobUserError(OSError):
+    """The job user is missing or cannot reach the job's directory. An OSError, so the
+    Runner fails the attempt with this message instead of starting the job as root."""
+
+
+def job_user() -> JobUser | None:
+    """Who jobs run as: HANGAR_JOB_USER (a name or uid), or None for the agent's own user."""
+    configured = settings.HANGAR_JOB_USER
+    if not configured:
+        warn_if_root()
+        return None
+    try:
+        entry = pwd.getpwuid(int(configured)) if configured.isdigit() else pwd.getpwnam(configured)
+    except KeyError:
+        raise JobUserError(f"HANGAR_JOB_USER={configured!r} is no user on this node; create it or change the setting")
+    if entry.pw_uid == os.getuid():
+        return None
+    groups = tuple(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    return JobUser(entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
+
+
+@functools.cache
+def warn_if_root() -> None:
+    if os.getuid() == 0:
+        log.warning("the agent runs as root and HANGAR_JOB_USER is unset: jobs run as root; set HANGAR_JOB_USER")
+
+
+def popen_user(job: Job, user: JobUser | None) -> dict:
+    """subprocess.Popen's arguments that drop to the job user. A container's docker client
+    stays the agent's (it needs the docker socket); `docker run --user` drops instead."""
+    if user is None or (job.environment is not None and job.environment.kind == EnvironmentKind.CONTAINER):
+        return {}
+    return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+
+
+def prepare_workdir(workdir: Path, checkpoints: Path, user: JobUser | None) -> None:
+    """Make the job's directory (and its checkpoint directory) the job user's."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    if user is None:
+        return
+    if workdir.stat().st_uid != user.uid:  # made by the agent, or by an attempt that ran as another user
+        for path in [workdir, *workdir.rglob("*")]:
+            os.chown(path, user.uid, user.gid, follow_symlinks=False)
+    for parent in workdir.parents:
+        if not may_search(parent.stat(), user):
+            raise JobUserError(
+                f"job user {user.name} cannot reach {parent} (no search permission); "
+                "chmod o+x it or set HANGAR_JOB_WORKDIR to a directory the user can reach"
+            )
+
+
+def may_search(info: os.stat_result, user: JobUser) -> bool:
+    if info.st_uid == user.uid:
+        return bool(info.st_mode & stat.S_IXUSR)
+    if info.st_gid in user.groups:
+        return bool(info.st_mode & stat.S_IXGRP)
+    return bool(info.st_mode & stat.S_IXOTH)
+
+
+def command_for(job: Job, env: dict[str, str], gpus: list[int], workdir: Path, name: str, user: JobUser | None = None):
+    """The argv and environment to start for one rank of `job`, as `user` when given."""
+    if user is not None:
+        home = user.home if os.path.isdir(user.home) else str(workdir)
+        env = {**env, "USER": user.name, "LOGNAME": user.name, "HOME": home}
     environment = job.environment
     if environment is None:
         return list(job.command), env
     if environment.kind == EnvironmentKind.CONTAINER:
         names = sorted(k for k in env if k not in HOST_ONLY)
-        return docker_argv(environment.image, job.command, names, gpus, workdir, name), env
+        return docker_argv(environment.image, job.command, names, gpus, workdir, name, user), env
     if environment.path:
         prefix = Path(environment.path)
         env = {**env, "PATH": f"{prefix / 'bin'}:{env.get('PATH', '')}", "VIRTUAL_ENV": str(prefix)}
     return list(job.command), env
 
 
-def docker_argv(image: str, command: list[str], env_names: list[str], gpus: list[int], workdir: Path, name: str):
+def docker_argv(
+    image: str,
+    command: list[str],
+    env_names: list[str],
+    gpus: list[int],
+    workdir: Path,
+    name: str,
+    user: JobUser | None = None,
+):
     """`docker run` for one rank: its GPUs only, the host network (ranks reach each
     other as on the host), the job's directory (checkpoints included) mounted at the
     same path. Variables go by name (`-e NAME`), so their values, secrets included,
@@ -35,6 +123,9 @@ def docker_argv(image: str, command: list[str], env_names: list[str], gpus: list
         # The quotes are part of the value: docker reads --gpus as CSV, and the device list has commas.
         argv += ["--gpus", '"device={}"'.format(",".join(str(g) for g in gpus))]
     argv += ["--network", "host", "--ipc", "host", "-v", f"{workdir}:{workdir}", "-w", str(workdir)]
+    if user is not None:
+        argv += ["--user", f"{user.uid}:{user.gid}"]
+        argv += [a for g in user.groups if g != user.gid for a in ("--group-add", str(g))]
     for key in env_names:
         argv += ["-e", key]
     return [*argv, image, *command]

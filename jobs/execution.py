@@ -25,8 +25,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from jobs import tracking
-from jobs.environments import command_for
+from jobs import environments, secret_env, tracking
 from jobs.logingest import LogWriter, read_lines
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
 from portal.models import volume_env_name
@@ -227,7 +226,7 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
         env.update(tracking.job_env(job, attempt))  # MLFLOW_*; the job's own env may override them
         env.update({str(k): str(v) for k, v in job.env.items()})
-        env.update({str(k): str(v) for k, v in job.secret_env.items()})
+        env.update(secret_env.process_env(job.secret_env))  # refuses a secret it cannot decrypt
         env.update({volume_env_name(v["name"]): v["path"] for v in job.volumes})
         env.update(
             CUDA_VISIBLE_DEVICES=self.gpu_list(),
@@ -249,9 +248,10 @@ class Runner:
         return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
 
     def start_process(self) -> subprocess.Popen:
-        self.job.checkpoint_dir().mkdir(parents=True, exist_ok=True)
-        argv, env = command_for(
-            self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}"
+        user = environments.job_user()  # HANGAR_JOB_USER, or None: the agent's own user
+        environments.prepare_workdir(self.workdir(), self.job.checkpoint_dir(), user)
+        argv, env = environments.command_for(
+            self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}", user
         )
         proc = subprocess.Popen(
             argv,
@@ -261,6 +261,7 @@ class Runner:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so cancel reaches every child
+            **environments.popen_user(self.job, user),
         )
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
             threading.Thread(target=read_lines, args=(pipe, stream, self.lines), daemon=True).start()

@@ -7,22 +7,6 @@ from fleet.models import Node
 from jobs.models import Environment, priority_classes
 from portal.models import Project, Role
 
-# Where an API field's error shows on the form.
-API_TO_FORM = {
-    "command": "command",
-    "env": "env",
-    "secret_env": "secret_env",
-    "project": "project",
-    "name": "name",
-    "gpus_per_node": "gpus_per_node",
-    "gpu_type": "gpu_type",
-    "priority": "priority",
-    "nodes": "nodes",
-    "environment": "environment",
-    "max_retries": "max_retries",
-    "max_runtime_seconds": "max_runtime_seconds",
-}
-
 
 class SecretTextarea(forms.Textarea):
     def format_value(self, value) -> str:
@@ -93,7 +77,7 @@ class JobForm(forms.Form):
 
     def add_api_errors(self, errors: dict) -> None:
         for field, messages in errors.items():
-            target = API_TO_FORM.get(field)
+            target = field if field in self.fields else None  # the API's names are the form's
             for message in messages if isinstance(messages, list) else [messages]:
                 text = str(message) if not isinstance(message, dict) else "; ".join(map(str, message.values()))
                 self.add_error(target, text)

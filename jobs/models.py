@@ -13,6 +13,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from jobs.secret_env import SecretEnvField
 from portal.models import AuditEvent, Project
 
 
@@ -182,7 +183,9 @@ class Job(models.Model):
     state_reason = models.TextField(blank=True)
     requeues = models.PositiveIntegerField(default=0, help_text="Times requeued after an infrastructure failure.")
     idempotency_key = models.CharField(max_length=200, blank=True, help_text="A retried submit returns this job.")
-    secret_env = models.JSONField(default=dict, blank=True, help_text="Given to the job, never shown back.")
+    secret_env = SecretEnvField(
+        default=dict, blank=True, help_text="Given to the job, never shown back; values encrypted at rest."
+    )
     volumes = models.JSONField(default=list, blank=True, help_text="[{name, path, mode, version}] as submitted.")
     # What reproduces the job, and its MLflow run (jobs/tracking.py).
     code_version = models.CharField(max_length=200, blank=True, help_text="e.g. a git commit.")

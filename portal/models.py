@@ -130,10 +130,6 @@ class ApiToken(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.hint}…)"
 
-    @property
-    def is_active(self) -> bool:
-        return self.revoked_at is None
-
     @classmethod
     def issue(cls, user, name: str, project: Project | None = None, read_only: bool = False) -> tuple["ApiToken", str]:
         """Create a token and return it with its secret, which is shown this once."""

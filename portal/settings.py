@@ -5,6 +5,7 @@ and the data directory `./var`. Setting DATABASE_URL, CELERY_BROKER_URL and
 REDIS_URL switches to services mode (PostgreSQL, Redis) with the same code.
 """
 
+import base64
 import os
 import secrets
 from pathlib import Path
@@ -193,7 +194,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
     # Per API token (or per signed-in user, or per address when anonymous),
-    # counted in this process's cache: "N/s", "N/min", "N/hour" or "N/day".
+    # counted in Redis when REDIS_URL is set, else per process: "N/s", "N/min", "N/hour" or "N/day".
     "DEFAULT_THROTTLE_RATES": {"token": env_str("HANGAR_API_RATE_LIMIT", "1200/min")},
 }
 
@@ -293,6 +294,31 @@ HANGAR_LOG_SPOOL_FLUSH_SECONDS = env_float("HANGAR_LOG_SPOOL_FLUSH_SECONDS", 60.
 HANGAR_LOG_RETENTION_DAYS = env_float("HANGAR_LOG_RETENTION_DAYS", 60.0, minimum=0.001)
 HANGAR_LOG_RETENTION_INTERVAL_SECONDS = env_float("HANGAR_LOG_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
+# Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
+# "hangar-job"). Unset: as the agent's own user (an agent running as root warns).
+# The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run
+# the jobs' programs; the agent makes each job's directory its own (jobs/environments.py).
+HANGAR_JOB_USER = env_str("HANGAR_JOB_USER")
+
+
+# Fernet keys for job secrets, comma-separated: the first encrypts, all decrypt (then a
+# key derived from SECRET_KEY). Rotation and limits: jobs/secret_env.py.
+def env_fernet_keys(name: str) -> list[str]:
+    keys = env_list(name, [])
+    for number, key in enumerate(keys, start=1):
+        try:
+            valid = len(base64.urlsafe_b64decode(key.encode())) == 32
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ImproperlyConfigured(
+                f"{name}: key {number} is not a Fernet key (32 url-safe base64 bytes); make one with "
+                '`python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"`'
+            )
+    return keys
+
+
+HANGAR_SECRETS_KEY = env_fernet_keys("HANGAR_SECRETS_KEY")
 
 # --- Queues and capacity -----------------------------------------------------
 

@@ -1,5 +1,7 @@
 """Every API error has one JSON shape; the schema and its docs pages are served offline."""
 
+import os
+
 import pytest
 from django.core.cache import cache
 
@@ -109,3 +111,35 @@ def test_the_docs_pages_load_their_assets_from_this_server(client, db, url):
     assert "cdn." not in page and "https://" not in page.split("<body", 1)[-1].split("</body>")[0].replace(
         "https://swagger.io", ""
     )
+
+
+@pytest.fixture
+def shared_counts(settings, tight_rate):
+    """The rate limit counted in the local Redis under a key prefix of this test's own."""
+    import uuid
+
+    import redis
+
+    url = os.environ.get("HANGAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/5")
+    try:
+        redis.Redis.from_url(url, socket_timeout=2).ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis at {url} is unreachable: {exc}")
+    settings.REDIS_URL, settings.REDIS_PREFIX = url, f"hangar_test_{uuid.uuid4().hex[:10]}"
+    client = redis.Redis.from_url(url)
+    yield client
+    for key in client.scan_iter(f"{settings.REDIS_PREFIX}:*"):
+        client.delete(key)
+
+
+def test_with_redis_the_rate_limit_is_counted_there_for_every_web_worker(owner, project, shared_counts, settings):
+    client = api_client(owner)
+    for _ in range(3):
+        assert client.get("/api/v1/jobs/").status_code == 200
+    cache.clear()  # another worker's memory: only Redis remembers the three requests
+
+    response = client.get("/api/v1/jobs/")
+
+    assert_error(response, 429, "throttled")
+    assert 1 <= int(response["Retry-After"]) <= 60
+    assert list(shared_counts.scan_iter(f"{settings.REDIS_PREFIX}:throttle_token_*"))

@@ -12,28 +12,33 @@ from jobs import costreports
 from jobs.models import Budget
 
 
-def budget_warning(project) -> str | None:
-    """What to tell a submitter when the project's budget for this month is nearly (or all) spent."""
+def budget_status(project):
+    """This month's spend against the project's budget, or None without a budget."""
     today = timezone.now().date()
     budget = Budget.for_month(project.pk, today)
-    if budget is not None and (status := budget.status(today)).warning:
+    return None if budget is None else budget.status(today)
+
+
+def budget_warning(project, status=None) -> str | None:
+    """What to tell a submitter when the project's budget for this month is nearly (or all) spent."""
+    status = status or budget_status(project)
+    if status is not None and status.warning:
         return f"Budget warning: {status.message()}."
     return None
 
 
-def check_budget(project) -> None:
-    """Refuse a submission to a project whose hard budget for this month is spent."""
-    budget = Budget.for_month(project.pk, timezone.now().date())
-    if budget is None:
-        return
-    status = budget.status(timezone.now().date())
-    if status.refuses:
+def check_budget(project) -> str | None:
+    """Refuse a submission to a project whose hard budget for this month is spent; else
+    the warning to give the submitter, if any (one read of the budget serves both)."""
+    status = budget_status(project)
+    if status is not None and status.refuses:
         raise serializers.ValidationError(
             {
                 "project": f"{status.message()}: it is a hard limit, so no new jobs run in {project.slug} "
                 "this month; ask a manager of the project to raise the budget"
             }
         )
+    return budget_warning(project, status) if status is not None else None
 
 
 def cost_filter(request) -> costreports.CostFilter:

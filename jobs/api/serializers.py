@@ -2,7 +2,7 @@ import re
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max
+from django.db.models import Count, Max, Q
 from rest_framework import serializers
 
 from fleet.models import Node
@@ -125,7 +125,7 @@ class JobSubmitSerializer(serializers.Serializer):
             raise serializers.ValidationError(
                 {"gpus_per_node": f"asks for {total} GPUs; project {slug} allows at most {limit} a job"}
             )
-        check_budget(attrs["project"])
+        self.warnings = [w for w in [check_budget(attrs["project"])] if w]
         return attrs
 
     def check_priority(self, project: Project, name: str) -> str:
@@ -137,14 +137,16 @@ class JobSubmitSerializer(serializers.Serializer):
                 {"priority": f"{name} is not a priority class; use one of {', '.join(classes)}"}
             )
         ceiling = priority_class(project.max_member_priority)
-        user = self.context["request"].user
-        manager = Project.objects.with_role(user, Role.MANAGER).filter(pk=project.pk).exists()
-        if classes[name].rank > ceiling.rank and not manager:
+        if classes[name].rank > ceiling.rank and not self.is_manager(project):
             allowed = ", ".join(n for n, c in classes.items() if c.rank <= ceiling.rank)
             raise serializers.ValidationError(
                 {"priority": f"{name} needs a manager of {project.slug}; members may use {allowed}"}
             )
         return name
+
+    def is_manager(self, project: Project) -> bool:
+        user = self.context["request"].user
+        return Project.objects.with_role(user, Role.MANAGER).filter(pk=project.pk).exists()
 
     def validate_environment(self, name: str) -> Environment | None:
         if not name:
@@ -207,17 +209,18 @@ class JobSubmitSerializer(serializers.Serializer):
         gpus, gpu_type = attrs["gpus_per_node"], attrs.get("gpu_type", "")
         nodes = Node.objects.all()
         if gpu_type:
-            if not nodes.filter(gpu_model=gpu_type).exists():
-                types = ", ".join(sorted(set(nodes.values_list("gpu_model", flat=True)))) or "none registered"
-                raise serializers.ValidationError({"gpu_type": f"no node has {gpu_type} GPUs; GPU types: {types}"})
             nodes = nodes.filter(gpu_model=gpu_type)
-        largest = nodes.aggregate(m=Max("gpu_count"))["m"] or 0
+        # One query for both limits: the largest node, and how many nodes fit one rank.
+        sizes = nodes.aggregate(largest=Max("gpu_count"), big_enough=Count("pk", filter=Q(gpu_count__gte=gpus)))
+        largest, big_enough = sizes["largest"] or 0, sizes["big_enough"]
+        if gpu_type and not largest:
+            types = ", ".join(sorted(set(Node.objects.values_list("gpu_model", flat=True)))) or "none registered"
+            raise serializers.ValidationError({"gpu_type": f"no node has {gpu_type} GPUs; GPU types: {types}"})
         if gpus > largest:
             where = f"the largest {gpu_type} node" if gpu_type else "the largest node"
             raise serializers.ValidationError(
                 {"gpus_per_node": f"gpus_per_node={gpus} but {where} has {largest}; ask for at most {largest}"}
             )
-        big_enough = nodes.filter(gpu_count__gte=gpus).count()
         if attrs["nodes"] > big_enough:
             kind = f"{gpu_type} " if gpu_type else ""
             raise serializers.ValidationError(

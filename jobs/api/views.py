@@ -9,7 +9,6 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs import reproduce
-from jobs.api.costs import budget_warning
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState
 from jobs.scheduler import queue_report
@@ -70,8 +69,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             if key and (first := self.replay(key, data)) is not None:
                 return first
             raise
+        job._prefetched_objects_cache = {"attempts": Attempt.objects.none()}  # a new job has none: no query
         body = JobSerializer(job).data
-        body["warnings"] = [w for w in [budget_warning(job.project)] if w]
+        body["warnings"] = submit.warnings
         return Response(body, status=status.HTTP_201_CREATED)
 
     def replay(self, key: str, data: dict) -> Response | None:

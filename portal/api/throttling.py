@@ -1,8 +1,24 @@
-"""Rate limits per API token, with Retry-After on the 429."""
+"""Rate limits per API token, with Retry-After on the 429.
 
+With Redis (REDIS_URL) the count is shared by every web worker: a fixed window per token
+in Redis, one round trip per request. Without it each process counts in its own memory,
+so with several workers a token may make up to (workers x limit) requests."""
+
+import functools
+import logging
+
+import redis
+from django.conf import settings
 from rest_framework.throttling import SimpleRateThrottle
 
 from portal.models import ApiToken
+
+log = logging.getLogger("hangar.api")
+
+
+@functools.cache
+def redis_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
 
 
 class TokenRateThrottle(SimpleRateThrottle):
@@ -16,3 +32,34 @@ class TokenRateThrottle(SimpleRateThrottle):
         else:
             ident = f"addr-{self.get_ident(request)}"
         return self.cache_format % {"scope": self.scope, "ident": ident}
+
+    def allow_request(self, request, view) -> bool:
+        if not settings.REDIS_URL or self.rate is None:
+            return super().allow_request(request, view)
+        return self.allow_shared(self.get_cache_key(request, view))
+
+    def allow_shared(self, key: str) -> bool:
+        """Count this request in Redis; a window may let through up to twice the rate at its edge."""
+        now = self.timer()
+        window = int(now // self.duration)
+        name = f"{settings.REDIS_PREFIX}:{key}:{window}"
+        try:
+            count, _ = (
+                redis_client(settings.REDIS_URL)
+                .pipeline(transaction=False)
+                .incr(name)
+                .expire(name, self.duration + 1)
+                .execute()
+            )
+        except redis.RedisError as exc:
+            log.warning("rate limit not checked (Redis: %s); request allowed", exc)  # serve rather than refuse
+            return True
+        if count <= self.num_requests:
+            return True
+        self.wait_seconds = (window + 1) * self.duration - now
+        return False
+
+    def wait(self) -> float | None:
+        if hasattr(self, "wait_seconds"):
+            return self.wait_seconds
+        return super().wait()
