@@ -8,6 +8,8 @@ after taking the lock, and a job leaves `queued` by a conditional update.
 """
 
 import logging
+import threading
+import time
 from collections import defaultdict
 from datetime import timedelta
 
@@ -48,6 +50,13 @@ log = logging.getLogger("hangar.scheduler")
 
 PASS_LIMIT = 20000  # queued jobs looked at in one pass
 CHUNK = 500
+WAKEUP_COALESCE_SECONDS = 0.05
+WAKEUP_CLOCK_MARGIN = 0.5
+
+last_pass_started = 0.0  # wall clock: when the last completed pass of this process began
+_wakeup_lock = threading.Lock()
+_last_wakeup = float("-inf")
+_trailing_wakeup: threading.Timer | None = None
 
 
 # --- loading plain data -------------------------------------------------------
@@ -150,6 +159,21 @@ def project_limits() -> dict[int, ProjectLimits]:
 
 def schedule_pass() -> list[Attempt]:
     """Place what fits now and preempt what must make room. Safe to run concurrently."""
+    global last_pass_started
+    started = time.time()
+    placed = _schedule_pass()
+    last_pass_started = max(last_pass_started, started)  # only a pass that completed
+    return placed
+
+
+def pass_already_covers(requested_at: float | None) -> bool:
+    """A wake-up sent (after its commit) before a completed pass of this process started
+    needs no pass of its own: that pass read the queue after the commit. The margin
+    allows for the clocks of the sender's machine and this one to differ."""
+    return requested_at is not None and requested_at < last_pass_started - WAKEUP_CLOCK_MARGIN
+
+
+def _schedule_pass() -> list[Attempt]:
     with transaction.atomic():
         nodes = list(Node.objects.schedulable().select_for_update().order_by("pk"))
         if not nodes:
@@ -251,10 +275,35 @@ def request_pass() -> None:
 
 
 def send_pass_request() -> None:
+    """Send a wake-up now, or, if this process sent one less than WAKEUP_COALESCE_SECONDS
+    ago, one trailing wake-up at the end of that window: a burst of submits costs a few
+    passes, not one each, and every commit is still followed by a wake-up."""
+    global _last_wakeup, _trailing_wakeup
+    with _wakeup_lock:
+        now = time.monotonic()
+        wait = _last_wakeup + WAKEUP_COALESCE_SECONDS - now
+        if wait > 0:
+            if _trailing_wakeup is None:
+                _trailing_wakeup = threading.Timer(wait, _send_trailing_wakeup)
+                _trailing_wakeup.daemon = True
+                _trailing_wakeup.start()
+            return
+        _last_wakeup = now
+    _publish_wakeup()
+
+
+def _send_trailing_wakeup() -> None:
+    global _last_wakeup, _trailing_wakeup
+    with _wakeup_lock:
+        _trailing_wakeup, _last_wakeup = None, time.monotonic()
+    _publish_wakeup()
+
+
+def _publish_wakeup() -> None:
     from jobs.tasks import schedule
 
     try:
-        schedule.apply_async(queue="hangar.scheduler")
+        schedule.apply_async(kwargs={"requested_at": time.time()}, queue="hangar.scheduler")
     except Exception as exc:
         log.warning("scheduling pass not requested (the periodic pass will run): %s", exc)
 

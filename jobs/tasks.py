@@ -6,8 +6,11 @@ from jobs import execution, scheduler
 
 
 @shared_task(name="hangar.schedule")
-def schedule() -> int:
-    """One scheduling pass (sent to the scheduler's queue on submit, finish and cancel)."""
+def schedule(requested_at: float | None = None) -> int:
+    """One scheduling pass (sent to the scheduler's queue on submit, finish and cancel),
+    unless a pass that started after this wake-up was sent has completed already."""
+    if scheduler.pass_already_covers(requested_at):
+        return 0
     return len(scheduler.schedule_pass())
 
 

@@ -1,5 +1,6 @@
 """Placing queued jobs on free GPUs, reconciling what agents stopped reporting, and cancelling."""
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -344,3 +345,42 @@ def test_a_finished_attempt_does_not_block_a_new_one(project, owner, node):
     second = make_attempt(job, node, AttemptState.SCHEDULED)
 
     assert second.number == 2
+
+
+@pytest.fixture
+def wakeups(monkeypatch) -> list[float]:
+    """Wake-ups as they leave for the broker (the edge of this process)."""
+    from jobs import scheduler
+
+    sent: list[float] = []
+    monkeypatch.setattr(scheduler, "_publish_wakeup", lambda: sent.append(time.monotonic()))
+    monkeypatch.setattr(scheduler, "_last_wakeup", float("-inf"))
+    monkeypatch.setattr(scheduler, "_trailing_wakeup", None)
+    return sent
+
+
+def test_a_burst_of_wakeups_sends_one_at_once_and_one_trailing(wakeups):
+    from jobs import scheduler
+
+    for _ in range(20):
+        scheduler.send_pass_request()
+    assert len(wakeups) == 1  # the first goes at once
+    time.sleep(scheduler.WAKEUP_COALESCE_SECONDS * 3)
+    assert len(wakeups) == 2  # the rest share one, sent after the last of them asked
+    scheduler.send_pass_request()
+    time.sleep(scheduler.WAKEUP_COALESCE_SECONDS * 3)
+    assert len(wakeups) == 3
+
+
+def test_a_wakeup_older_than_a_completed_pass_is_skipped(db, monkeypatch):
+    from jobs import scheduler, tasks
+
+    monkeypatch.setattr(scheduler, "last_pass_started", 0.0)
+    sent_before = time.time() - 2 * scheduler.WAKEUP_CLOCK_MARGIN
+    assert not scheduler.pass_already_covers(sent_before)
+    schedule_pass()
+
+    assert scheduler.pass_already_covers(sent_before)
+    assert tasks.schedule(requested_at=sent_before) == 0
+    assert not scheduler.pass_already_covers(time.time())  # sent since: gets its pass
+    assert not scheduler.pass_already_covers(None)  # a wake-up of old, without a time
