@@ -11,9 +11,11 @@ Starts a whole Hangar (`manage.py up`) in a temporary data directory, then:
    websocket client;
 4. query: a filtered page (severity >= ERROR, rank, text) over the raw rows.
 
-    python bench/logs.py [--quick] [--lines N] [--rows N]
+    python bench/logs.py [--quick] [--services] [--lines N] [--rows N]
 
-Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
+Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
+--services makes a fresh database on the test PostgreSQL and a key prefix of
+its own on the test Redis (portal.livestack.ServicesDatabase), dropped after.
 The default query table has 1,000,000 rows, not 10 million (--rows 10000000 for
 that, slow on small machines). Last line: mode=... ingest_lines_per_s=...
 raw_insert_lines_per_s=... ratio=... p50_ms=... p99_ms=... query_rows=... query_ms=...
@@ -97,8 +99,8 @@ def measure_raw(rows: int) -> tuple[float, object]:
     from django.db import transaction
     from django.utils import timezone
 
-    from jobs.logingest import MAX_BATCH, insert_rows
-    from jobs.models import LogLine, Severity, Stream
+    from jobs.logingest import MAX_BATCH, NewLine, insert_rows
+    from jobs.models import Severity, Stream
 
     attempt = bench_attempt()
     now = timezone.now()
@@ -108,14 +110,16 @@ def measure_raw(rows: int) -> tuple[float, object]:
         for i in range(start, min(rows, start + MAX_BATCH)):
             error = i % 100 == 0
             batch.append(
-                LogLine(
+                NewLine(
                     job_id=attempt.job_id,
                     attempt_id=attempt.pk,
                     node_id=attempt.node_id,
                     rank=i % 8,
+                    rank_seq=i // 8 + 1,
                     seq=i + 1,
                     stream=Stream.STDERR if error else Stream.STDOUT,
                     severity=Severity.ERROR if error else Severity.INFO,
+                    fault=False,
                     ts=now,
                     text=f"ERROR: timeout talking to rank {i % 8}" if error else f"step {i} loss=0.{i % 997:03d}",
                 )
@@ -172,7 +176,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20,000 lines, 50,000 rows, 50 ticks")
     parser.add_argument("--lines", type=int, default=None, help="lines the ingest job prints (default 200,000)")
     parser.add_argument("--rows", type=int, default=None, help="rows of the raw insert and query (default 1,000,000)")
+    parser.add_argument("--services", action="store_true", help="a fresh database on the test PostgreSQL and Redis")
     args = parser.parse_args()
+    if args.services:
+        from portal.livestack import ServicesDatabase
+
+        with ServicesDatabase() as env:
+            os.environ.update(env)
+            run(args)
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     lines = args.lines or (20_000 if args.quick else 200_000)
     rows = args.rows or (50_000 if args.quick else 1_000_000)
     ticks = 50 if args.quick else 250

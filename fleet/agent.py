@@ -68,6 +68,7 @@ class Agent:
         self.node = node
         CURRENT = self
         self.end_orphaned_attempts()
+        self.replay_log_spools()
         node.heartbeat()
         return node
 
@@ -77,6 +78,13 @@ class Agent:
 
         for attempt in Attempt.objects.filter(node=self.node, state__in=STARTED_ATTEMPT_STATES):
             attempt.finish(AttemptState.LOST, FailureClass.INFRA, "the node's agent restarted while it ran")
+
+    def replay_log_spools(self) -> None:
+        """Log lines a previous agent on this node spooled to disk and died before sending."""
+        from jobs.logingest import replay_spools
+
+        if sent := replay_spools(self.node.pk):
+            log.info("node %s: sent %d log spool files left by the previous agent", self.name, sent)
 
     def report(self) -> None:
         """One heartbeat: apply injected faults, sample the GPUs, store telemetry, act on findings."""

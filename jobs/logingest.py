@@ -14,7 +14,13 @@ range that commits later.
 The job's pipes are never blocked by storage: reader threads only put lines on
 an unbounded queue, and while the database is unreachable the writer moves
 whatever arrives to a spool file on local disk and sends it, in order, once
-the database answers again.
+the database answers again. A spool left behind by an agent that died is sent
+by the node's next agent when it starts (replay_spools).
+
+Storing is idempotent: the writer numbers its rank's lines itself (rank_seq),
+and a batch stores only the lines after the last one its rank already stored.
+So a batch whose commit the writer never saw acknowledged (the connection
+dropped after COMMIT), sent again from the spool, is stored once.
 """
 
 import asyncio
@@ -43,7 +49,9 @@ log = logging.getLogger("hangar.agent")
 MAX_BATCH = 5000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
 COPY_MIN_ROWS = 64  # below this a multi-row INSERT is as fast as COPY
-COPY_COLUMNS = ("job_id", "attempt_id", "node_id", "rank", "seq", "stream", "severity", "fault", "ts", "text")
+COPY_COLUMNS = (
+    "job_id", "attempt_id", "node_id", "rank", "rank_seq", "seq", "stream", "severity", "fault", "ts", "text"
+)  # fmt: skip
 
 
 def read_lines(pipe, stream: int, out: queue.Queue) -> None:
@@ -72,29 +80,51 @@ class NewLine:
     fault: bool
     ts: datetime
     text: str
+    rank_seq: int  # the line's number in its rank's output, given by the writer: what makes a resend recognisable
     seq: int = 0
+
+    def columns(self, ts) -> tuple:
+        """The values for COPY_COLUMNS, with the timestamp as the database driver wants it."""
+        fields = (self.job_id, self.attempt_id, self.node_id, self.rank, self.rank_seq, self.seq)
+        return (*fields, self.stream, self.severity, self.fault, ts, self.text)
 
 
 class AttemptNotCurrent(Exception):
     """The attempt ended (or was never started): its lines are refused."""
 
 
-def store_lines(attempt_id: int, rows: list[NewLine]) -> int:
-    """Number and insert one batch of an attempt's lines; returns the last seq.
+def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True) -> int:
+    """Number and insert one batch of an attempt's lines, skipping those already stored; returns the last seq.
 
-    Raises AttemptNotCurrent when the attempt no longer takes lines.
+    Raises AttemptNotCurrent when the attempt no longer takes lines: when it is
+    not started (current_only, a live writer's fence) or does not exist.
     """
     with transaction.atomic():
         # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
         # attempt that is being ended waits for (or refuses) this batch.
-        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id, state__in=STARTED_ATTEMPT_STATES)
+        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
+        if current_only:
+            fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
         if not fenced.values_list("pk", flat=True):
             raise AttemptNotCurrent(attempt_id)
+        rows = unstored(attempt_id, rows)
         last = LogLine.objects.filter(attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
         for offset, row in enumerate(rows, start=1):
             row.seq = last + offset
-        insert_rows(rows)
+        if rows:
+            insert_rows(rows)
     return last + len(rows)
+
+
+def unstored(attempt_id: int, rows: list[NewLine]) -> list[NewLine]:
+    """The rows not stored yet. A rank's lines are stored in rank_seq order under the attempt's
+    lock, so what is stored of a rank is a prefix: everything up to its highest rank_seq."""
+    stored_up_to = {}
+    for rank in {row.rank for row in rows}:
+        # ORDER BY ... LIMIT 1 walks the (attempt, rank, rank_seq) index backwards on both databases.
+        mine = LogLine.objects.filter(attempt_id=attempt_id, rank=rank).order_by("-rank_seq")
+        stored_up_to[rank] = mine.values_list("rank_seq", flat=True).first() or 0
+    return [row for row in rows if row.rank_seq > stored_up_to[row.rank]]
 
 
 def insert_rows(rows: list) -> None:
@@ -108,15 +138,10 @@ def insert_rows(rows: list) -> None:
         with connection.cursor() as cursor:
             with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
                 for r in rows:
-                    copy.write_row(
-                        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, r.ts, r.text)
-                    )
+                    copy.write_row(r.columns(r.ts))
         return
     adapt = connection.ops.adapt_datetimefield_value
-    values = [
-        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, adapt(r.ts), r.text)
-        for r in rows
-    ]
+    values = [r.columns(adapt(r.ts)) for r in rows]
     placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
     with connection.cursor() as cursor:
         cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)
@@ -137,7 +162,7 @@ class Spool:
         with open(self.path, "a", encoding="utf-8") as out:
             for r in rows:
                 fields = [r.job_id, r.attempt_id, r.node_id, r.rank, r.stream, r.severity, r.fault]
-                out.write(json.dumps([*fields, r.ts.isoformat(), r.text]) + "\n")
+                out.write(json.dumps([*fields, r.ts.isoformat(), r.text, r.rank_seq]) + "\n")
 
     def chunks(self, size: int = MAX_BATCH):
         """(rows, end offset) from the first unstored line on; call done(end) once a chunk is stored."""
@@ -146,8 +171,10 @@ class Spool:
             while True:
                 rows = []
                 while len(rows) < size and (text := spool.readline()):
-                    *fields, ts, line = json.loads(text)
-                    rows.append(NewLine(*fields, datetime.fromisoformat(ts), line))
+                    if not text.endswith("\n"):
+                        break  # cut off by a crash in mid-write: never complete, never stored
+                    *fields, ts, line, rank_seq = json.loads(text)
+                    rows.append(NewLine(*fields, datetime.fromisoformat(ts), line, rank_seq))
                 if not rows:
                     return
                 yield rows, spool.tell()
@@ -179,7 +206,8 @@ class LogWriter(threading.Thread):
         self.streams_done = threading.Event()
         self.streams_done.set()
         self.severity = {stream: SeverityReader(stream) for stream in (Stream.STDOUT, Stream.STDERR)}
-        self.spool = Spool(settings.HANGAR_LOG_SPOOL_DIR / f"attempt-{attempt.pk}-rank-{rank}.jsonl")
+        self.spool = Spool(spool_dir(self.node_id) / f"attempt-{attempt.pk}-rank-{rank}.jsonl")
+        self.read = 0  # lines parsed so far: the next line's rank_seq - 1
         self.retry_at = 0.0
         self.retry_delay = 0.0
         self.refused = False
@@ -262,6 +290,7 @@ class LogWriter(threading.Thread):
             severity = self.severity[stream](text)
             observe_output(self.attempt, text)  # NCCL/ECC/Xid in the job's output: fleet health
         attempt = self.attempt
+        self.read += 1
         return NewLine(
             job_id=attempt.job_id,
             attempt_id=attempt.pk,
@@ -272,6 +301,7 @@ class LogWriter(threading.Thread):
             fault=stream != Stream.SYSTEM and is_fault(text),
             ts=ts,
             text=text,
+            rank_seq=self.read,
         )
 
     def deliver(self, rows: list[NewLine]) -> None:
@@ -339,3 +369,33 @@ class LogWriter(threading.Thread):
             self.loop.run_until_complete(self.layer.group_send(job_group(self.attempt.job_id), message))
         except Exception as exc:  # a lost hint only delays delivery until the next poll
             log.debug("log hint not sent: %s", exc)
+
+
+def spool_dir(node_id: int | None) -> Path:
+    """One folder per node: agents of several nodes on one machine replay only their own spools."""
+    return settings.HANGAR_LOG_SPOOL_DIR / f"node-{node_id or 0}"
+
+
+def replay_spools(node_id: int) -> int:
+    """Store the spooled lines a dead agent of this node left on disk; the number of files sent.
+
+    Called when the node's agent starts, before it runs anything, so no writer
+    of this node still appends to them. An ended attempt's lines are still what
+    it printed, so they are stored; lines of an attempt that no longer exists
+    are dropped. A file that cannot be sent now stays for the next start, and
+    sending it again stores nothing twice.
+    """
+    sent = 0
+    for path in sorted(spool_dir(node_id).glob("attempt-*-rank-*.jsonl")):
+        spool = Spool(path)
+        try:
+            for rows, _ in spool.chunks():
+                store_lines(rows[0].attempt_id, rows, current_only=False)
+        except AttemptNotCurrent as gone:
+            log.warning("spooled log lines of attempt %s dropped: it no longer exists", gone)
+        except (DatabaseError, ValueError) as exc:
+            log.error("spooled log lines in %s not sent: %s", path, exc)
+            continue
+        spool.discard()
+        sent += 1
+    return sent

@@ -531,6 +531,9 @@ class LogLine(models.Model):
     node = models.ForeignKey("fleet.Node", null=True, on_delete=models.SET_NULL, related_name="+")
     rank = models.PositiveSmallIntegerField(default=0)
     seq = models.PositiveIntegerField()
+    # The line's number in its rank's output, given by the agent's writer: a batch sent
+    # twice (its commit was never acknowledged) is recognised by it and stored once.
+    rank_seq = models.PositiveIntegerField(default=0)
     stream = models.PositiveSmallIntegerField(choices=Stream.choices)
     severity = models.PositiveSmallIntegerField(choices=Severity.choices, default=Severity.INFO)
     fault = models.BooleanField(default=False, help_text="Matches an NCCL/Xid/CUDA/ECC fault pattern.")
@@ -539,7 +542,10 @@ class LogLine(models.Model):
 
     class Meta:
         ordering = ["attempt_id", "seq"]
-        constraints = [models.UniqueConstraint(fields=["attempt", "seq"], name="log_seq_unique")]
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "seq"], name="log_seq_unique"),
+            models.UniqueConstraint(fields=["attempt", "rank", "rank_seq"], name="log_rank_seq_unique"),
+        ]
         indexes = [
             # Cursor paging of a job's lines; the other filters narrow within a job.
             models.Index(fields=["job", "attempt", "seq"], name="log_job_cursor"),

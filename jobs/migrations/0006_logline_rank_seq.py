@@ -1,0 +1,26 @@
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+    """Lines get their rank's own number, so a batch stored twice is recognised (idempotent ingest).
+
+    Lines stored before this take their seq as rank_seq: unique within the
+    attempt, so unique within its rank too, and in the order they were stored.
+    """
+
+    dependencies = [
+        ("jobs", "0005_cost_tracking"),
+    ]
+
+    operations = [
+        migrations.AddField(
+            model_name="logline",
+            name="rank_seq",
+            field=models.PositiveIntegerField(default=0),
+        ),
+        migrations.RunSQL("UPDATE jobs_logline SET rank_seq = seq", migrations.RunSQL.noop),
+        migrations.AddConstraint(
+            model_name="logline",
+            constraint=models.UniqueConstraint(fields=("attempt", "rank", "rank_seq"), name="log_rank_seq_unique"),
+        ),
+    ]
