@@ -54,17 +54,53 @@ COPY_COLUMNS = (
 )  # fmt: skip
 
 
+READ_BYTES = 64 * 1024
+
+
 def read_lines(pipe, stream: int, out: queue.Queue) -> None:
-    """Read one pipe to its end, line by line, never holding more than the line limit."""
-    limit = settings.HANGAR_LOG_LINE_MAX_BYTES
-    skipping = False
+    """Read one pipe to its end, never holding more than the line limit of an unfinished line.
+
+    The lines of one read go on the queue as one item (stream, time, [(raw, cut), ...], False)
+    with one timestamp: they arrived together, and in a flood a queue item and a
+    clock read per line cost as much as parsing the line.
+    """
+    lines = LineSplitter(settings.HANGAR_LOG_LINE_MAX_BYTES)
     with pipe:
-        while chunk := pipe.readline(limit):
-            complete = chunk.endswith(b"\n")
-            if not skipping:
-                out.put((stream, timezone.now(), chunk, not complete and len(chunk) >= limit))
-            skipping = not complete and len(chunk) >= limit
+        while data := pipe.read1(READ_BYTES):
+            if complete := lines.feed(data):
+                out.put((stream, timezone.now(), complete, False))
+        if last := lines.end():
+            out.put((stream, timezone.now(), last, False))
     out.put((stream, None, None, False))
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines (without their newline); a line longer than `limit`
+    is cut there and flagged, the rest of it dropped."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.tail = b""  # the unfinished line, shorter than the limit
+        self.skipping = False  # inside a line that was cut
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
+        parts = (self.tail + data).split(b"\n")
+        self.tail = parts.pop()
+        if self.skipping and parts:
+            parts.pop(0)  # the end of the line that was cut
+            self.skipping = False
+        limit = self.limit
+        lines = [(part, False) if len(part) < limit else (part[:limit], True) for part in parts]
+        if self.skipping:
+            self.tail = b""
+        elif len(self.tail) >= limit:
+            lines.append((self.tail[:limit], True))
+            self.tail, self.skipping = b"", True
+        return lines
+
+    def end(self) -> list[tuple[bytes, bool]]:
+        """The last line when the stream did not end with a newline."""
+        return [(self.tail, False)] if self.tail else []
 
 
 @dataclass(slots=True)
@@ -187,12 +223,25 @@ class Spool:
         self.offset = 0
 
 
+def weigh(item: tuple | None) -> tuple[int, int]:
+    """Lines and bytes in one queue item: a line, a reader's list of lines, or an end."""
+    raw = item[2] if item is not None else None
+    if raw is None:
+        return 0, 0
+    if isinstance(raw, list):
+        return len(raw), sum(len(line) for line, _ in raw)
+    return 1, len(raw)
+
+
 class LogWriter(threading.Thread):
     """Takes one rank's lines from its readers in arrival order, parses them, and stores them in batches.
 
-    A batch is whatever arrived while the previous one was being written (up
-    to MAX_BATCH lines or MAX_BATCH_BYTES), so an idle job's line is stored at
-    once and a flood is stored in large inserts.
+    A batch is whatever arrived while the previous one was being parsed (up to
+    MAX_BATCH lines or MAX_BATCH_BYTES), so an idle job's line is stored at
+    once and a flood is stored in large inserts. Parsing runs on this thread and
+    storing on a second one (the storer), one batch apart: the database's time
+    and the parsing overlap instead of adding up (the storer waits on the
+    socket without the GIL).
     """
 
     def __init__(self, attempt: Attempt, lines: queue.Queue, rank: int = 0, node_id: int | None = None):
@@ -213,6 +262,7 @@ class LogWriter(threading.Thread):
         self.refused = False
         self.batches = 0
         self.stored = 0
+        self.parsed: queue.Queue = queue.Queue(maxsize=1)  # parser -> storer; None ends
         self.layer = get_channel_layer()
         # One event loop for all of this writer's hints, so the channel layer keeps
         # its Redis connection instead of opening one per batch.
@@ -233,15 +283,31 @@ class LogWriter(threading.Thread):
         self.join()
 
     def run(self) -> None:
+        storer = threading.Thread(target=self.store_forever, daemon=True, name=f"{self.name}-store")
+        storer.start()
         try:
             done = False
             while not done:
                 batch = self.collect()
-                if not batch:  # nothing new while lines wait on disk: time to retry them
+                done = batch[-1] is None
+                self.parse([item for item in batch if item is not None], storer)
+        finally:
+            self.hand_over(None, storer)
+            storer.join()
+            connection.close()  # this thread's own, used by health findings in the output
+
+    def store_forever(self) -> None:
+        """The storer: deliver each parsed batch in order, retrying spooled lines when idle."""
+        try:
+            while True:
+                try:
+                    rows = self.parsed.get(timeout=self.spool_wait() if self.spool else None)
+                except queue.Empty:  # nothing new while lines wait on disk: time to retry them
                     self.flush_spool(0)
                     continue
-                done = batch[-1] is None
-                self.store([item for item in batch if item is not None])
+                if rows is None:
+                    break
+                self.deliver(rows)
             self.flush_spool(settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS)
             log.info("attempt %s rank %s: %d lines, %d batches", self.attempt.pk, self.rank, self.stored, self.batches)
         finally:
@@ -249,36 +315,47 @@ class LogWriter(threading.Thread):
             if self.loop is not None:
                 self.loop.close()  # channels_redis closes this loop's connections
 
+    def hand_over(self, rows: list[NewLine] | None, storer: threading.Thread) -> None:
+        """Queue a parsed batch for the storer; waits while it stores the previous one, unless it died."""
+        while storer.is_alive():
+            try:
+                self.parsed.put(rows, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        if rows:
+            log.error("attempt %s rank %s: log storer died, %d lines lost", self.attempt.pk, self.rank, len(rows))
+
     def collect(self) -> list:
-        """Block for one line (or until a spool retry is due), then take what else is waiting."""
-        try:
-            batch = [self.lines.get(timeout=self.spool_wait() if self.spool else None)]
-        except queue.Empty:
-            return []
-        size = 0
-        while batch[-1] is not None and len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
+        """Block for one line, then take what else is waiting."""
+        batch = [self.lines.get()]
+        count, size = weigh(batch[0])
+        while batch[-1] is not None and count < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
                 item = self.lines.get_nowait()
             except queue.Empty:
                 break
             batch.append(item)
-            size += len(item[2] or b"") if item is not None else 0
+            lines, length = weigh(item)
+            count, size = count + lines, size + length
         return batch
 
     def spool_wait(self) -> float:
         return max(0.05, self.retry_at - time.monotonic())
 
-    def store(self, batch: list) -> None:
+    def parse(self, batch: list, storer: threading.Thread) -> None:
         rows = []
         for stream, ts, raw, flag in batch:
             if raw is None:
                 self.open_streams -= 1
                 if self.open_streams <= 0:
                     self.streams_done.set()
-                continue
-            rows.append(self.line(stream, ts, raw, flag))
+            elif isinstance(raw, list):  # a reader's lines of one read
+                rows.extend(self.line(stream, ts, line, cut) for line, cut in raw)
+            else:
+                rows.append(self.line(stream, ts, raw, flag))
         if rows:
-            self.deliver(rows)
+            self.hand_over(rows, storer)
 
     def line(self, stream: int, ts, raw: bytes, flag: bool) -> NewLine:
         """One line, parsed. Per-line checks of the job's output (fault scans) belong here."""

@@ -287,3 +287,24 @@ def test_spooled_lines_of_an_attempt_that_no_longer_exists_are_dropped(attempt, 
 
     assert not LogLine.objects.exists()
     assert not writer.spool.path.exists()
+
+
+STREAM = b"short\r\n" + b"x" * 40 + b"\n\n" + b"y" * 10 + b"\n" + b"z" * 25 + b"\ntail"
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 16, 1000])
+def test_lines_are_cut_at_the_limit_however_the_pipe_delivers_them(size):
+    splitter = logingest.LineSplitter(limit=20)
+    lines = []
+    for start in range(0, len(STREAM), size):
+        lines += splitter.feed(STREAM[start : start + size])
+    lines += splitter.end()
+
+    assert lines == [
+        (b"short\r", False),
+        (b"x" * 20, True),
+        (b"", False),
+        (b"y" * 10, False),
+        (b"z" * 20, True),
+        (b"tail", False),
+    ]
