@@ -141,10 +141,10 @@ def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True)
         fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
         if current_only:
             fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
-        if not fenced.values_list("pk", flat=True):
+        if not (job_id := fenced.values_list("job_id", flat=True).first()):
             raise AttemptNotCurrent(attempt_id)
         rows = unstored(attempt_id, rows)
-        last = LogLine.objects.filter(attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
+        last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
         for offset, row in enumerate(rows, start=1):
             row.seq = last + offset
         if rows:
