@@ -87,9 +87,10 @@ def drain(pipe_bytes: bytes, stream: int = Stream.STDOUT) -> tuple[list[tuple], 
     while not out.empty():
         stream, ts, raw, flag = out.get_nowait()
         # The lines of one read come as one item; one entry per line here. Newlines are cut off.
-        items.extend((stream, ts, line, cut) for line, cut in raw) if raw is not None else items.append(
-            (stream, ts, raw, flag)
-        )
+        if raw is None:
+            items.append((stream, ts, raw, flag))
+        else:
+            items.extend((stream, ts, line, cut) for line, cut in raw)
     return items, pipe
 
 
