@@ -83,7 +83,12 @@ class Agent:
         """Log lines a previous agent on this node spooled to disk and died before sending."""
         from jobs.logingest import replay_spools
 
-        if sent := replay_spools(self.node.pk):
+        try:
+            sent = replay_spools(self.node.pk)
+        except Exception:  # lines left on disk never keep the agent from starting
+            log.exception("node %s: log spool files not replayed", self.name)
+            return
+        if sent:
             log.info("node %s: sent %d log spool files left by the previous agent", self.name, sent)
 
     def report(self) -> None:

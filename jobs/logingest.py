@@ -470,7 +470,7 @@ def replay_spools(node_id: int) -> int:
                 store_lines(rows[0].attempt_id, rows, current_only=False)
         except AttemptNotCurrent as gone:
             log.warning("spooled log lines of attempt %s dropped: it no longer exists", gone)
-        except (DatabaseError, ValueError) as exc:
+        except (DatabaseError, ValueError, TypeError) as exc:  # unreachable, or a file it cannot read
             log.error("spooled log lines in %s not sent: %s", path, exc)
             continue
         spool.discard()

@@ -308,3 +308,15 @@ def test_lines_are_cut_at_the_limit_however_the_pipe_delivers_them(size):
         (b"z" * 20, True),
         (b"tail", False),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_spool_file_that_cannot_be_read_stays_and_does_not_stop_the_others(attempt, monkeypatch, settings):
+    writer = spool_and_die(attempt, [b"kept\n"], monkeypatch, settings)
+    unreadable = writer.spool.path.with_name("attempt-999-rank-0.jsonl")
+    unreadable.write_text('[1, 2, 3, 0, 1, 20, false, "2026-11-29T12:00:00+00:00", "old format"]\n')
+
+    assert logingest.replay_spools(attempt.node_id) == 1
+
+    assert [line.text for line in stored(attempt)] == ["kept"]
+    assert unreadable.exists()
