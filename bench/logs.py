@@ -109,11 +109,11 @@ def measure_ingest(stack, lines: int) -> tuple[float, float, float]:
     """Lines/s, and the agent's and the database's CPU microseconds per line."""
     from jobs.models import LogLine, Stream
 
-    meter = CpuMeter(stack)
     job = stack.submit([sys.executable, "-c", textwrap.dedent(FLOOD.format(lines=lines))], name="bench-ingest")
     stdout = LogLine.objects.filter(job_id=job["id"], stream=Stream.STDOUT)
     while not stdout.exists():
         time.sleep(0.01)
+    meter = CpuMeter(stack)  # from the first line stored, as the rate: not the job's start
     started = time.perf_counter()
     first = stdout.order_by("seq").values_list("seq", flat=True).first()
     deadline = started + 600
