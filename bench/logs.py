@@ -11,12 +11,15 @@ Starts a whole Hangar (`manage.py up`) in a temporary data directory, then:
    websocket client;
 4. query: a filtered page (severity >= ERROR, rank, text) over the raw rows.
 
-    python bench/logs.py [--quick] [--lines N] [--rows N]
+    python bench/logs.py [--quick] [--services] [--lines N] [--rows N]
 
-Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
+Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
+--services makes a fresh database on the test PostgreSQL and a key prefix of
+its own on the test Redis (portal.livestack.ServicesDatabase), dropped after.
 The default query table has 1,000,000 rows, not 10 million (--rows 10000000 for
 that, slow on small machines). Last line: mode=... ingest_lines_per_s=...
-raw_insert_lines_per_s=... ratio=... p50_ms=... p99_ms=... query_rows=... query_ms=...
+raw_insert_lines_per_s=... ratio=... agent_cpu_us_per_line=... db_cpu_us_per_line=...
+p50_ms=... p99_ms=... query_rows=... query_ms=...
 """
 
 import argparse
@@ -54,21 +57,72 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
-def measure_ingest(stack, lines: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (Linux /proc), 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def agent_pid(stack) -> int:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            args = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == stack.proc.pid and b"agent" in args:
+            return int(stat.parent.name)
+    raise RuntimeError("the stack's agent process was not found")
+
+
+def database_cpu() -> dict[int, float]:
+    """CPU used so far by each PostgreSQL backend of this database (the server runs on this machine)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return {pid: cpu_seconds(pid) for (pid,) in cursor.fetchall()}
+
+
+class CpuMeter:
+    """CPU of the agent process and of the database's backends over an interval: unlike
+    lines/s, it does not depend on what else the machine is running."""
+
+    def __init__(self, stack):
+        self.agent = agent_pid(stack)
+        self.agent_start, self.db_start = cpu_seconds(self.agent), database_cpu()
+
+    def stop(self) -> tuple[float, float]:
+        agent = cpu_seconds(self.agent) - self.agent_start
+        db = sum(cpu - self.db_start.get(pid, 0.0) for pid, cpu in database_cpu().items())
+        return agent, db
+
+
+def measure_ingest(stack, lines: int) -> tuple[float, float, float]:
+    """Lines/s, and the agent's and the database's CPU microseconds per line."""
     from jobs.models import LogLine, Stream
 
     job = stack.submit([sys.executable, "-c", textwrap.dedent(FLOOD.format(lines=lines))], name="bench-ingest")
     stdout = LogLine.objects.filter(job_id=job["id"], stream=Stream.STDOUT)
     while not stdout.exists():
         time.sleep(0.01)
+    meter = CpuMeter(stack)  # from the first line stored, as the rate: not the job's start
     started = time.perf_counter()
     first = stdout.order_by("seq").values_list("seq", flat=True).first()
     deadline = started + 600
     while LogLine.high_water(job["id"])[1] < first + lines - 1 and time.perf_counter() < deadline:
         time.sleep(0.02)
     elapsed = time.perf_counter() - started
+    agent_cpu, db_cpu = meter.stop()
     stack.wait_for(job["id"], ("succeeded", "failed"), timeout=120)
-    return lines / elapsed
+    return lines / elapsed, agent_cpu / lines * 1e6, db_cpu / lines * 1e6
 
 
 def bench_attempt():
@@ -97,8 +151,8 @@ def measure_raw(rows: int) -> tuple[float, object]:
     from django.db import transaction
     from django.utils import timezone
 
-    from jobs.logingest import MAX_BATCH, insert_rows
-    from jobs.models import LogLine, Severity, Stream
+    from jobs.logingest import MAX_BATCH, NewLine, insert_rows
+    from jobs.models import Severity, Stream
 
     attempt = bench_attempt()
     now = timezone.now()
@@ -108,14 +162,16 @@ def measure_raw(rows: int) -> tuple[float, object]:
         for i in range(start, min(rows, start + MAX_BATCH)):
             error = i % 100 == 0
             batch.append(
-                LogLine(
+                NewLine(
                     job_id=attempt.job_id,
                     attempt_id=attempt.pk,
                     node_id=attempt.node_id,
                     rank=i % 8,
+                    rank_seq=i // 8 + 1,
                     seq=i + 1,
                     stream=Stream.STDERR if error else Stream.STDOUT,
                     severity=Severity.ERROR if error else Severity.INFO,
+                    fault=False,
                     ts=now,
                     text=f"ERROR: timeout talking to rank {i % 8}" if error else f"step {i} loss=0.{i % 997:03d}",
                 )
@@ -172,7 +228,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20,000 lines, 50,000 rows, 50 ticks")
     parser.add_argument("--lines", type=int, default=None, help="lines the ingest job prints (default 200,000)")
     parser.add_argument("--rows", type=int, default=None, help="rows of the raw insert and query (default 1,000,000)")
+    parser.add_argument("--services", action="store_true", help="a fresh database on the test PostgreSQL and Redis")
     args = parser.parse_args()
+    if args.services:
+        from portal.livestack import ServicesDatabase
+
+        with ServicesDatabase() as env:
+            os.environ.update(env)
+            run(args)
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     lines = args.lines or (20_000 if args.quick else 200_000)
     rows = args.rows or (50_000 if args.quick else 1_000_000)
     ticks = 50 if args.quick else 250
@@ -189,8 +257,9 @@ def main() -> None:
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     with LiveStack(data_dir=data_dir) as stack:
-        ingest = measure_ingest(stack, lines)
+        ingest, agent_us, db_us = measure_ingest(stack, lines)
         print(f"ingest: {lines} lines printed as fast as possible, stored at {ingest:,.0f} lines/s")
+        print(f"CPU per line: agent {agent_us:.1f} us, PostgreSQL backends {db_us:.1f} us (embedded: all in the agent)")
         latencies = measure_delivery(stack, ticks)
         p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
         print(f"delivery, print -> websocket client, {len(latencies)} lines: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
@@ -201,7 +270,8 @@ def main() -> None:
         print(f"filtered page (severity>=ERROR, rank, text) over {rows} rows: {query:.1f} ms")
     print(
         f"mode={mode} lines={lines} ingest_lines_per_s={ingest:.0f} raw_insert_lines_per_s={raw:.0f} "
-        f"ratio={ingest / raw:.2f} p50_ms={p50:.1f} p99_ms={p99:.1f} query_rows={rows} query_ms={query:.1f}"
+        f"ratio={ingest / raw:.2f} agent_cpu_us_per_line={agent_us:.1f} db_cpu_us_per_line={db_us:.1f} "
+        f"p50_ms={p50:.1f} p99_ms={p99:.1f} query_rows={rows} query_ms={query:.1f}"
     )
 
 

@@ -79,6 +79,7 @@ class Agent:
         self.node = node
         CURRENT = self
         self.end_orphaned_attempts()
+        self.replay_log_spools()
         if vanished:
             reason = f"the driver lists {len(listed)} of {node.gpu_count} registered GPUs (missing {vanished})"
             node.mark_unhealthy(reason, {"listed_gpus": listed, "missing_gpus": vanished})
@@ -91,6 +92,18 @@ class Agent:
 
         for attempt in Attempt.objects.filter(node=self.node, state__in=STARTED_ATTEMPT_STATES):
             attempt.finish(AttemptState.LOST, FailureClass.INFRA, "the node's agent restarted while it ran")
+
+    def replay_log_spools(self) -> None:
+        """Log lines a previous agent on this node spooled to disk and died before sending."""
+        from jobs.logingest import replay_spools
+
+        try:
+            sent = replay_spools(self.node.pk)
+        except Exception:  # lines left on disk never keep the agent from starting
+            log.exception("node %s: log spool files not replayed", self.name)
+            return
+        if sent:
+            log.info("node %s: sent %d log spool files left by the previous agent", self.name, sent)
 
     def report(self) -> None:
         """One heartbeat: apply injected faults, sample the GPUs, store telemetry, act on findings."""

@@ -14,7 +14,13 @@ range that commits later.
 The job's pipes are never blocked by storage: reader threads only put lines on
 an unbounded queue, and while the database is unreachable the writer moves
 whatever arrives to a spool file on local disk and sends it, in order, once
-the database answers again.
+the database answers again. A spool left behind by an agent that died is sent
+by the node's next agent when it starts (replay_spools).
+
+Storing is idempotent: the writer numbers its rank's lines itself (rank_seq),
+and a batch stores only the lines after the last one its rank already stored.
+So a batch whose commit the writer never saw acknowledged (the connection
+dropped after COMMIT), sent again from the spool, is stored once.
 """
 
 import asyncio
@@ -43,20 +49,58 @@ log = logging.getLogger("hangar.agent")
 MAX_BATCH = 5000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
 COPY_MIN_ROWS = 64  # below this a multi-row INSERT is as fast as COPY
-COPY_COLUMNS = ("job_id", "attempt_id", "node_id", "rank", "seq", "stream", "severity", "fault", "ts", "text")
+COPY_COLUMNS = (
+    "job_id", "attempt_id", "node_id", "rank", "rank_seq", "seq", "stream", "severity", "fault", "ts", "text"
+)  # fmt: skip
+
+
+READ_BYTES = 64 * 1024
 
 
 def read_lines(pipe, stream: int, out: queue.Queue) -> None:
-    """Read one pipe to its end, line by line, never holding more than the line limit."""
-    limit = settings.HANGAR_LOG_LINE_MAX_BYTES
-    skipping = False
+    """Read one pipe to its end, never holding more than the line limit of an unfinished line.
+
+    The lines of one read go on the queue as one item (stream, time, [(raw, cut), ...], False)
+    with one timestamp: they arrived together, and in a flood a queue item and a
+    clock read per line cost as much as parsing the line.
+    """
+    lines = LineSplitter(settings.HANGAR_LOG_LINE_MAX_BYTES)
     with pipe:
-        while chunk := pipe.readline(limit):
-            complete = chunk.endswith(b"\n")
-            if not skipping:
-                out.put((stream, timezone.now(), chunk, not complete and len(chunk) >= limit))
-            skipping = not complete and len(chunk) >= limit
+        while data := pipe.read1(READ_BYTES):
+            if complete := lines.feed(data):
+                out.put((stream, timezone.now(), complete, False))
+        if last := lines.end():
+            out.put((stream, timezone.now(), last, False))
     out.put((stream, None, None, False))
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines (without their newline); a line longer than `limit`
+    is cut there and flagged, the rest of it dropped."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.tail = b""  # the unfinished line, shorter than the limit
+        self.skipping = False  # inside a line that was cut
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
+        parts = (self.tail + data).split(b"\n")
+        self.tail = parts.pop()
+        if self.skipping and parts:
+            parts.pop(0)  # the end of the line that was cut
+            self.skipping = False
+        limit = self.limit
+        lines = [(part, False) if len(part) < limit else (part[:limit], True) for part in parts]
+        if self.skipping:
+            self.tail = b""
+        elif len(self.tail) >= limit:
+            lines.append((self.tail[:limit], True))
+            self.tail, self.skipping = b"", True
+        return lines
+
+    def end(self) -> list[tuple[bytes, bool]]:
+        """The last line when the stream did not end with a newline."""
+        return [(self.tail, False)] if self.tail else []
 
 
 @dataclass(slots=True)
@@ -72,29 +116,51 @@ class NewLine:
     fault: bool
     ts: datetime
     text: str
+    rank_seq: int  # the line's number in its rank's output, given by the writer: what makes a resend recognisable
     seq: int = 0
+
+    def columns(self, ts) -> tuple:
+        """The values for COPY_COLUMNS, with the timestamp as the database driver wants it."""
+        fields = (self.job_id, self.attempt_id, self.node_id, self.rank, self.rank_seq, self.seq)
+        return (*fields, self.stream, self.severity, self.fault, ts, self.text)
 
 
 class AttemptNotCurrent(Exception):
     """The attempt ended (or was never started): its lines are refused."""
 
 
-def store_lines(attempt_id: int, rows: list[NewLine]) -> int:
-    """Number and insert one batch of an attempt's lines; returns the last seq.
+def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True) -> int:
+    """Number and insert one batch of an attempt's lines, skipping those already stored; returns the last seq.
 
-    Raises AttemptNotCurrent when the attempt no longer takes lines.
+    Raises AttemptNotCurrent when the attempt no longer takes lines: when it is
+    not started (current_only, a live writer's fence) or does not exist.
     """
     with transaction.atomic():
         # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
         # attempt that is being ended waits for (or refuses) this batch.
-        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id, state__in=STARTED_ATTEMPT_STATES)
-        if not fenced.values_list("pk", flat=True):
+        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
+        if current_only:
+            fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
+        if not (job_id := fenced.values_list("job_id", flat=True).first()):
             raise AttemptNotCurrent(attempt_id)
-        last = LogLine.objects.filter(attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
+        rows = unstored(attempt_id, rows)
+        last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
         for offset, row in enumerate(rows, start=1):
             row.seq = last + offset
-        insert_rows(rows)
+        if rows:
+            insert_rows(rows)
     return last + len(rows)
+
+
+def unstored(attempt_id: int, rows: list[NewLine]) -> list[NewLine]:
+    """The rows not stored yet. A rank's lines are stored in rank_seq order under the attempt's
+    lock, so what is stored of a rank is a prefix: everything up to its highest rank_seq."""
+    stored_up_to = {}
+    for rank in {row.rank for row in rows}:
+        # ORDER BY ... LIMIT 1 walks the (attempt, rank, rank_seq) index backwards on both databases.
+        mine = LogLine.objects.filter(attempt_id=attempt_id, rank=rank).order_by("-rank_seq")
+        stored_up_to[rank] = mine.values_list("rank_seq", flat=True).first() or 0
+    return [row for row in rows if row.rank_seq > stored_up_to[row.rank]]
 
 
 def insert_rows(rows: list) -> None:
@@ -108,15 +174,10 @@ def insert_rows(rows: list) -> None:
         with connection.cursor() as cursor:
             with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
                 for r in rows:
-                    copy.write_row(
-                        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, r.ts, r.text)
-                    )
+                    copy.write_row(r.columns(r.ts))
         return
     adapt = connection.ops.adapt_datetimefield_value
-    values = [
-        (r.job_id, r.attempt_id, r.node_id, r.rank, r.seq, r.stream, r.severity, r.fault, adapt(r.ts), r.text)
-        for r in rows
-    ]
+    values = [r.columns(adapt(r.ts)) for r in rows]
     placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
     with connection.cursor() as cursor:
         cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)
@@ -137,7 +198,7 @@ class Spool:
         with open(self.path, "a", encoding="utf-8") as out:
             for r in rows:
                 fields = [r.job_id, r.attempt_id, r.node_id, r.rank, r.stream, r.severity, r.fault]
-                out.write(json.dumps([*fields, r.ts.isoformat(), r.text]) + "\n")
+                out.write(json.dumps([*fields, r.ts.isoformat(), r.text, r.rank_seq]) + "\n")
 
     def chunks(self, size: int = MAX_BATCH):
         """(rows, end offset) from the first unstored line on; call done(end) once a chunk is stored."""
@@ -146,8 +207,10 @@ class Spool:
             while True:
                 rows = []
                 while len(rows) < size and (text := spool.readline()):
-                    *fields, ts, line = json.loads(text)
-                    rows.append(NewLine(*fields, datetime.fromisoformat(ts), line))
+                    if not text.endswith("\n"):
+                        break  # cut off by a crash in mid-write: never complete, never stored
+                    *fields, ts, line, rank_seq = json.loads(text)
+                    rows.append(NewLine(*fields, datetime.fromisoformat(ts), line, rank_seq))
                 if not rows:
                     return
                 yield rows, spool.tell()
@@ -160,12 +223,25 @@ class Spool:
         self.offset = 0
 
 
+def weigh(item: tuple | None) -> tuple[int, int]:
+    """Lines and bytes in one queue item: a line, a reader's list of lines, or an end."""
+    raw = item[2] if item is not None else None
+    if raw is None:
+        return 0, 0
+    if isinstance(raw, list):
+        return len(raw), sum(len(line) for line, _ in raw)
+    return 1, len(raw)
+
+
 class LogWriter(threading.Thread):
     """Takes one rank's lines from its readers in arrival order, parses them, and stores them in batches.
 
-    A batch is whatever arrived while the previous one was being written (up
-    to MAX_BATCH lines or MAX_BATCH_BYTES), so an idle job's line is stored at
-    once and a flood is stored in large inserts.
+    A batch is whatever arrived while the previous one was being parsed (up to
+    MAX_BATCH lines or MAX_BATCH_BYTES), so an idle job's line is stored at
+    once and a flood is stored in large inserts. Parsing runs on this thread and
+    storing on a second one (the storer), one batch apart: the database's time
+    and the parsing overlap instead of adding up (the storer waits on the
+    socket without the GIL).
     """
 
     def __init__(self, attempt: Attempt, lines: queue.Queue, rank: int = 0, node_id: int | None = None):
@@ -179,12 +255,14 @@ class LogWriter(threading.Thread):
         self.streams_done = threading.Event()
         self.streams_done.set()
         self.severity = {stream: SeverityReader(stream) for stream in (Stream.STDOUT, Stream.STDERR)}
-        self.spool = Spool(settings.HANGAR_LOG_SPOOL_DIR / f"attempt-{attempt.pk}-rank-{rank}.jsonl")
+        self.spool = Spool(spool_dir(self.node_id) / f"attempt-{attempt.pk}-rank-{rank}.jsonl")
+        self.read = 0  # lines parsed so far: the next line's rank_seq - 1
         self.retry_at = 0.0
         self.retry_delay = 0.0
         self.refused = False
         self.batches = 0
         self.stored = 0
+        self.parsed: queue.Queue = queue.Queue(maxsize=1)  # parser -> storer; None ends
         self.layer = get_channel_layer()
         # One event loop for all of this writer's hints, so the channel layer keeps
         # its Redis connection instead of opening one per batch.
@@ -205,15 +283,31 @@ class LogWriter(threading.Thread):
         self.join()
 
     def run(self) -> None:
+        storer = threading.Thread(target=self.store_forever, daemon=True, name=f"{self.name}-store")
+        storer.start()
         try:
             done = False
             while not done:
                 batch = self.collect()
-                if not batch:  # nothing new while lines wait on disk: time to retry them
+                done = batch[-1] is None
+                self.parse([item for item in batch if item is not None], storer)
+        finally:
+            self.hand_over(None, storer)
+            storer.join()
+            connection.close()  # this thread's own, used by health findings in the output
+
+    def store_forever(self) -> None:
+        """The storer: deliver each parsed batch in order, retrying spooled lines when idle."""
+        try:
+            while True:
+                try:
+                    rows = self.parsed.get(timeout=self.spool_wait() if self.spool else None)
+                except queue.Empty:  # nothing new while lines wait on disk: time to retry them
                     self.flush_spool(0)
                     continue
-                done = batch[-1] is None
-                self.store([item for item in batch if item is not None])
+                if rows is None:
+                    break
+                self.deliver(rows)
             self.flush_spool(settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS)
             log.info("attempt %s rank %s: %d lines, %d batches", self.attempt.pk, self.rank, self.stored, self.batches)
         finally:
@@ -221,36 +315,47 @@ class LogWriter(threading.Thread):
             if self.loop is not None:
                 self.loop.close()  # channels_redis closes this loop's connections
 
+    def hand_over(self, rows: list[NewLine] | None, storer: threading.Thread) -> None:
+        """Queue a parsed batch for the storer; waits while it stores the previous one, unless it died."""
+        while storer.is_alive():
+            try:
+                self.parsed.put(rows, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        if rows:
+            log.error("attempt %s rank %s: log storer died, %d lines lost", self.attempt.pk, self.rank, len(rows))
+
     def collect(self) -> list:
-        """Block for one line (or until a spool retry is due), then take what else is waiting."""
-        try:
-            batch = [self.lines.get(timeout=self.spool_wait() if self.spool else None)]
-        except queue.Empty:
-            return []
-        size = 0
-        while batch[-1] is not None and len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
+        """Block for one line, then take what else is waiting."""
+        batch = [self.lines.get()]
+        count, size = weigh(batch[0])
+        while batch[-1] is not None and count < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
                 item = self.lines.get_nowait()
             except queue.Empty:
                 break
             batch.append(item)
-            size += len(item[2] or b"") if item is not None else 0
+            lines, length = weigh(item)
+            count, size = count + lines, size + length
         return batch
 
     def spool_wait(self) -> float:
         return max(0.05, self.retry_at - time.monotonic())
 
-    def store(self, batch: list) -> None:
+    def parse(self, batch: list, storer: threading.Thread) -> None:
         rows = []
         for stream, ts, raw, flag in batch:
             if raw is None:
                 self.open_streams -= 1
                 if self.open_streams <= 0:
                     self.streams_done.set()
-                continue
-            rows.append(self.line(stream, ts, raw, flag))
+            elif isinstance(raw, list):  # a reader's lines of one read
+                rows.extend(self.line(stream, ts, line, cut) for line, cut in raw)
+            else:
+                rows.append(self.line(stream, ts, raw, flag))
         if rows:
-            self.deliver(rows)
+            self.hand_over(rows, storer)
 
     def line(self, stream: int, ts, raw: bytes, flag: bool) -> NewLine:
         """One line, parsed. Per-line checks of the job's output (fault scans) belong here."""
@@ -262,6 +367,7 @@ class LogWriter(threading.Thread):
             severity = self.severity[stream](text)
             observe_output(self.attempt, text)  # NCCL/ECC/Xid in the job's output: fleet health
         attempt = self.attempt
+        self.read += 1
         return NewLine(
             job_id=attempt.job_id,
             attempt_id=attempt.pk,
@@ -272,6 +378,7 @@ class LogWriter(threading.Thread):
             fault=stream != Stream.SYSTEM and is_fault(text),
             ts=ts,
             text=text,
+            rank_seq=self.read,
         )
 
     def deliver(self, rows: list[NewLine]) -> None:
@@ -339,3 +446,33 @@ class LogWriter(threading.Thread):
             self.loop.run_until_complete(self.layer.group_send(job_group(self.attempt.job_id), message))
         except Exception as exc:  # a lost hint only delays delivery until the next poll
             log.debug("log hint not sent: %s", exc)
+
+
+def spool_dir(node_id: int | None) -> Path:
+    """One folder per node: agents of several nodes on one machine replay only their own spools."""
+    return settings.HANGAR_LOG_SPOOL_DIR / f"node-{node_id or 0}"
+
+
+def replay_spools(node_id: int) -> int:
+    """Store the spooled lines a dead agent of this node left on disk; the number of files sent.
+
+    Called when the node's agent starts, before it runs anything, so no writer
+    of this node still appends to them. An ended attempt's lines are still what
+    it printed, so they are stored; lines of an attempt that no longer exists
+    are dropped. A file that cannot be sent now stays for the next start, and
+    sending it again stores nothing twice.
+    """
+    sent = 0
+    for path in sorted(spool_dir(node_id).glob("attempt-*-rank-*.jsonl")):
+        spool = Spool(path)
+        try:
+            for rows, _ in spool.chunks():
+                store_lines(rows[0].attempt_id, rows, current_only=False)
+        except AttemptNotCurrent as gone:
+            log.warning("spooled log lines of attempt %s dropped: it no longer exists", gone)
+        except (DatabaseError, ValueError, TypeError) as exc:  # unreachable, or a file it cannot read
+            log.error("spooled log lines in %s not sent: %s", path, exc)
+            continue
+        spool.discard()
+        sent += 1
+    return sent

@@ -85,7 +85,12 @@ def drain(pipe_bytes: bytes, stream: int = Stream.STDOUT) -> tuple[list[tuple], 
     read_lines(pipe, stream, out)
     items = []
     while not out.empty():
-        items.append(out.get_nowait())
+        stream, ts, raw, flag = out.get_nowait()
+        # The lines of one read come as one item; one entry per line here. Newlines are cut off.
+        if raw is None:
+            items.append((stream, ts, raw, flag))
+        else:
+            items.extend((stream, ts, line, cut) for line, cut in raw)
     return items, pipe
 
 
@@ -95,9 +100,9 @@ def test_it_reads_every_line_of_a_pipe_then_a_sentinel(settings):
     items, pipe = drain(b"one\ntwo\r\n\nlast without newline", Stream.STDERR)
 
     assert [(stream, raw, flag) for stream, _, raw, flag in items[:-1]] == [
-        (Stream.STDERR, b"one\n", False),
-        (Stream.STDERR, b"two\r\n", False),
-        (Stream.STDERR, b"\n", False),
+        (Stream.STDERR, b"one", False),
+        (Stream.STDERR, b"two\r", False),
+        (Stream.STDERR, b"", False),
         (Stream.STDERR, b"last without newline", False),
     ]
     assert all(ts is not None for _, ts, _, _ in items[:-1])
@@ -111,7 +116,7 @@ def test_a_line_over_the_limit_becomes_one_truncated_entry(settings):
     items, _ = drain(b"before\n" + b"x" * 1000 + b"\nafter\n")
 
     entries = [(raw, flag) for _, _, raw, flag in items[:-1]]
-    assert entries == [(b"before\n", False), (b"x" * 256, True), (b"after\n", False)]
+    assert entries == [(b"before", False), (b"x" * 256, True), (b"after", False)]
     assert items[-1] == (Stream.STDOUT, None, None, False)
 
 
@@ -121,16 +126,16 @@ def test_a_long_last_line_without_newline_is_truncated_once(settings):
     items, _ = drain(b"ok\n" + b"y" * 600)
 
     entries = [(raw, flag) for _, _, raw, flag in items[:-1]]
-    assert entries == [(b"ok\n", False), (b"y" * 256, True)]
+    assert entries == [(b"ok", False), (b"y" * 256, True)]
 
 
 def test_a_line_just_under_the_limit_is_whole(settings):
     settings.HANGAR_LOG_LINE_MAX_BYTES = 256
-    line = b"z" * 255 + b"\n"
+    line = b"z" * 255
 
-    items, _ = drain(line + b"next\n")
+    items, _ = drain(line + b"\nnext\n")
 
-    assert [(raw, flag) for _, _, raw, flag in items[:-1]] == [(line, False), (b"next\n", False)]
+    assert [(raw, flag) for _, _, raw, flag in items[:-1]] == [(line, False), (b"next", False)]
 
 
 def test_an_empty_pipe_gives_only_the_sentinel():

@@ -19,6 +19,7 @@ def line(attempt, seq, text, node, rank=0, severity=Severity.INFO, minutes=0, st
         node=node,
         rank=rank,
         seq=seq,
+        rank_seq=seq,  # unique within the rank, as a writer numbers it
         stream=stream,
         severity=severity,
         fault=fault,

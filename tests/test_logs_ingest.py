@@ -190,3 +190,133 @@ def test_lines_wait_on_disk_while_the_database_is_down_and_none_is_lost(attempt,
     assert [line.text for line in lines] == [f"line {i}" for i in range(100)]
     assert [line.seq for line in lines] == list(range(1, 101))
     assert not writer.spool.path.exists()
+
+
+# --- idempotent storage and spools left by a dead agent ------------------------------
+
+
+def new_lines(attempt: Attempt, texts: list[str], rank: int = 0) -> list[logingest.NewLine]:
+    now = timezone.now()
+    return [
+        logingest.NewLine(
+            attempt.job_id, attempt.pk, attempt.node_id, rank, Stream.STDOUT, Severity.INFO, False, now, t, i
+        )
+        for i, t in enumerate(texts, start=1)
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_batch_sent_twice_is_stored_once(attempt):
+    texts = [f"line {i}" for i in range(100)]
+    logingest.store_lines(attempt.pk, new_lines(attempt, texts[:60]))
+
+    last = logingest.store_lines(attempt.pk, new_lines(attempt, texts))  # a resend of 60, then 40 new
+
+    lines = stored(attempt)
+    assert [line.text for line in lines] == texts
+    assert [line.seq for line in lines] == list(range(1, 101))
+    assert last == 100
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_whose_commit_was_not_acknowledged_is_not_stored_twice(attempt, monkeypatch):
+    real = logingest.store_lines
+    dropped = []
+
+    def commits_then_drops(attempt_id, rows, **kwargs):
+        seq = real(attempt_id, rows, **kwargs)
+        if not dropped:  # the COMMIT went through, its answer never came back
+            dropped.append(len(rows))
+            raise OperationalError("server closed the connection unexpectedly")
+        return seq
+
+    monkeypatch.setattr(logingest, "store_lines", commits_then_drops)
+    writer = write(attempt, [f"line {i}\n".encode() for i in range(200)])
+
+    assert dropped
+    assert [line.text for line in stored(attempt)] == [f"line {i}" for i in range(200)]
+    assert [line.seq for line in stored(attempt)] == list(range(1, 201))
+    assert not writer.spool.path.exists()
+
+
+def spool_and_die(attempt: Attempt, lines: list[bytes], monkeypatch, settings) -> LogWriter:
+    """A writer that finds the database unreachable and gives up at once, as if its agent died."""
+    settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS = 0
+    with monkeypatch.context() as patch:
+        patch.setattr(logingest, "store_lines", lambda *a, **k: (_ for _ in ()).throw(OperationalError("refused")))
+        writer = write(attempt, lines)
+    assert writer.spool.path.exists()
+    return writer
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_spooled_by_an_agent_that_died_are_stored_when_its_node_agent_starts(attempt, monkeypatch, settings):
+    from fleet.agent import Agent
+    from fleet.gpus import SimulatedProvider
+
+    writer = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(120)], monkeypatch, settings)
+    with open(writer.spool.path, "a") as spool:
+        spool.write('[1, 2, "cut off in mid-wri')  # the agent died while appending
+
+    Agent(attempt.node.name, SimulatedProvider(attempt.node.name, "H100", 4), 1.0).register()
+
+    attempt.refresh_from_db()
+    assert attempt.state == "lost"  # ended by the new agent, and its lines are still the truth
+    assert [line.text for line in stored(attempt)] == [f"line {i}" for i in range(120)]
+    assert [line.seq for line in stored(attempt)] == list(range(1, 121))
+    assert not writer.spool.path.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_replaying_a_spool_already_partly_stored_stores_nothing_twice(attempt, monkeypatch, settings):
+    writer = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(50)], monkeypatch, settings)
+    logingest.store_lines(attempt.pk, new_lines(attempt, [f"line {i}" for i in range(20)]))
+
+    assert logingest.replay_spools(attempt.node_id) == 1
+
+    assert [line.text for line in stored(attempt)] == [f"line {i}" for i in range(50)]
+    assert not writer.spool.path.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_spooled_lines_of_an_attempt_that_no_longer_exists_are_dropped(attempt, monkeypatch, settings):
+    writer = spool_and_die(attempt, [b"orphan\n"], monkeypatch, settings)
+    Attempt.objects.filter(pk=attempt.pk).delete()
+
+    assert logingest.replay_spools(attempt.node_id) == 1
+
+    assert not LogLine.objects.exists()
+    assert not writer.spool.path.exists()
+
+
+STREAM = b"short\r\n" + b"x" * 40 + b"\n\n" + b"y" * 10 + b"\n" + b"z" * 25 + b"\ntail"
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 16, 1000])
+def test_lines_are_cut_at_the_limit_however_the_pipe_delivers_them(size):
+    splitter = logingest.LineSplitter(limit=20)
+    lines = []
+    for start in range(0, len(STREAM), size):
+        lines += splitter.feed(STREAM[start : start + size])
+    lines += splitter.end()
+
+    assert lines == [
+        (b"short\r", False),
+        (b"x" * 20, True),
+        (b"", False),
+        (b"y" * 10, False),
+        (b"z" * 20, True),
+        (b"tail", False),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_spool_file_that_cannot_be_read_stays_and_does_not_stop_the_others(attempt, monkeypatch, settings):
+    writer = spool_and_die(attempt, [b"kept\n"], monkeypatch, settings)
+    unreadable = writer.spool.path.with_name("attempt-999-rank-0.jsonl")
+    unreadable.write_text('[1, 2, 3, 0, 1, 20, false, "2026-11-29T12:00:00+00:00", "old format"]\n')
+
+    assert logingest.replay_spools(attempt.node_id) == 1
+
+    assert [line.text for line in stored(attempt)] == ["kept"]
+    assert unreadable.exists()

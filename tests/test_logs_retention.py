@@ -21,6 +21,7 @@ def aged_lines(project, owner, node):
             attempt=attempt,
             node=node,
             seq=seq,
+            rank_seq=seq,
             stream=Stream.STDOUT,
             ts=now - timedelta(days=days),
             text=f"{days} days old",
