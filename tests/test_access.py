@@ -266,6 +266,7 @@ def running_job(project, owner, node):
             attempt=attempt,
             node=node,
             seq=seq,
+            rank_seq=seq,
             stream=Stream.STDOUT,
             severity=Severity.INFO,
             ts=timezone.now(),
