@@ -11,13 +11,16 @@ exited 0; the first rank that fails ends it, and the other ranks, finding it
 ended when they renew its lease, stop their processes.
 """
 
+import ctypes
 import logging
 import os
 import queue
+import resource
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,19 @@ INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGN
 
 WATCH_SECONDS = 0.25
 CHECK_SECONDS = 0.5  # how soon a cancel or preemption reaches the process
+
+# Secret values shorter than this are not masked in the logs: masking every "1" or "ab" would
+# garble the output and hide nothing worth hiding.
+MIN_MASKED_SECRET = 4
+SECRET_MASK = b"***"
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec must not dlopen
+
+# Waits for its stdin to reach end of file, then SIGKILLs the job's process group ($1).
+# Only the agent holds the pipe's write end, so the kernel closes it when the agent dies,
+# however it dies: the job's children die with it instead of running on unwatched.
+REAPER_SCRIPT = 'read -r _; kill -KILL -- "-$1" 2>/dev/null'
 
 
 def renew_every() -> float:
@@ -110,6 +126,7 @@ class Runner:
         self.lines: queue.Queue = queue.Queue()
         self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
+        self.reaper: subprocess.Popen | None = None
         self.stop_requested: Outcome | None = None
         self.current = True
 
@@ -131,6 +148,7 @@ class Runner:
         finally:
             if self.writer.is_alive():
                 self.writer.close()
+            self.stop_reaper()
 
     def run_rank(self) -> None:
         where = f"on node {self.node.name}, GPUs {self.gpu_list() or 'none'}"
@@ -138,7 +156,7 @@ class Runner:
         self.system(f"attempt {self.attempt.number}{rank} {where}")
         outcome, exit_code = self.preflight_and_execute()
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
-        if others_running and not self.attempt.rank_succeeded(self.rank):
+        if others_running and not self.record(lambda: self.attempt.rank_succeeded(self.rank)):
             self.system(f"rank {self.rank} done; the attempt ends when every rank has")
             self.writer.close()
             return
@@ -146,8 +164,27 @@ class Runner:
         if not self.current:
             log.warning("attempt %s ended elsewhere or lost its lease; rank %s stopped", self.attempt.pk, self.rank)
             return
-        if not self.attempt.finish(outcome.state, outcome.failure_class, outcome.reason, exit_code):
+        ended = outcome.state, outcome.failure_class, outcome.reason, exit_code
+        if not self.record(lambda: self.attempt.finish(*ended)):
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
+
+    def record(self, write: Callable[[], bool]) -> bool:
+        """Write this rank's outcome, retrying while the database fails: an outcome lost
+        after the process exited would let the lease expire and run a finished job again.
+        The lease is renewed between tries; after one lease duration the error is raised."""
+        deadline = time.monotonic() + settings.HANGAR_LEASE_SECONDS
+        delay = 0.1
+        while True:
+            try:
+                return write()
+            except DatabaseError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("attempt %s: cannot record its outcome yet, retrying: %s", self.attempt.pk, exc)
+                close_old_connections()  # a broken connection is closed and reopened by the next query
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                self.check_current(renew=True)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
         from fleet.preflight import run_preflight
@@ -245,9 +282,12 @@ class Runner:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so cancel reaches every child
+            preexec_fn=job_preexec(settings.HANGAR_JOB_MEMORY_LIMIT_MB),
         )
+        self.reaper = start_reaper(proc.pid)
+        lines = MaskedLines(self.lines, list(self.job.secret_env.values()))
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
-            threading.Thread(target=read_lines, args=(pipe, stream, self.lines), daemon=True).start()
+            threading.Thread(target=read_lines, args=(pipe, stream, lines), daemon=True).start()
         self.writer.expect_streams(2)
         return proc
 
@@ -350,8 +390,59 @@ class Runner:
         self.system(reason, error=True)
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
 
+    def stop_reaper(self) -> None:
+        """The job's process group is gone (or this runner is giving up on it): the reaper
+        must not outlive it, lest it SIGKILL a later group that reuses the id."""
+        if self.reaper is not None:
+            self.reaper.kill()
+            self.reaper.wait()
+            self.reaper.stdin.close()
+            self.reaper = None
+
     def system(self, text: str, error: bool = False) -> None:
         self.writer.system(f"[hangar] {text}", error)
+
+
+def job_preexec(memory_limit_mb: int) -> Callable[[], None]:
+    """What the job's leader does between fork and exec: die with the runner's thread
+    (PR_SET_PDEATHSIG; its children are the reaper's), and take the memory limit."""
+    limit = memory_limit_mb * 1024 * 1024
+
+    def preexec() -> None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if limit:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return preexec
+
+
+def start_reaper(pgid: int) -> subprocess.Popen:
+    """A shell that SIGKILLs the job's process group when this agent dies (see REAPER_SCRIPT)."""
+    return subprocess.Popen(
+        ["/bin/sh", "-c", REAPER_SCRIPT, "hangar-reaper", str(pgid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C meant for the agent's terminal does not reach it
+    )
+
+
+class MaskedLines:
+    """The queue the pipe readers fill, with the job's secret values replaced by *** in
+    every line before it is stored, pushed or parsed. A value split by the line length
+    limit, or printed transformed (encoded, reversed), is not recognised."""
+
+    def __init__(self, out: queue.Queue, secrets: list[str]):
+        self.out = out
+        values = {str(v).encode() for v in secrets if len(str(v)) >= MIN_MASKED_SECRET}
+        self.secrets = sorted(values, key=len, reverse=True)  # a secret inside a longer one: the longer first
+
+    def put(self, item: tuple) -> None:
+        stream, ts, chunk, cut = item
+        if chunk:
+            for secret in self.secrets:
+                chunk = chunk.replace(secret, SECRET_MASK)
+        self.out.put((stream, ts, chunk, cut))
 
 
 def rank_env(attempt: Attempt, rank: int, master_addr: str) -> dict[str, str]:
