@@ -59,7 +59,7 @@ _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork
 # Waits for its stdin to reach end of file, then SIGKILLs the job's process group ($1).
 # Only the agent holds the pipe's write end, so the kernel closes it when the agent dies,
 # however it dies: the job's children die with it instead of running on unwatched.
-REAPER_SCRIPT = 'read -r _; kill -KILL -- "-$1" 2>/dev/null'
+REAPER_SCRIPT = 'read -r _; kill -9 "-$1" 2>/dev/null'  # dash's kill takes no --
 
 
 def renew_every() -> float:
@@ -127,6 +127,7 @@ class Runner:
         self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
         self.reaper: subprocess.Popen | None = None
+        self.keeping_lease: threading.Event | None = None
         self.stop_requested: Outcome | None = None
         self.current = True
 
@@ -148,9 +149,11 @@ class Runner:
         finally:
             if self.writer.is_alive():
                 self.writer.close()
+            self.stop_keeping_lease()
             self.stop_reaper()
 
     def run_rank(self) -> None:
+        self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds
         where = f"on node {self.node.name}, GPUs {self.gpu_list() or 'none'}"
         rank = f" rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
         self.system(f"attempt {self.attempt.number}{rank} {where}")
@@ -292,6 +295,7 @@ class Runner:
         return proc
 
     def watch(self) -> tuple[Outcome, int | None]:
+        self.stop_keeping_lease()  # this loop renews it while the process runs
         deadline = time.monotonic() + self.job.max_runtime_seconds
         next_check = next_renew = 0.0
         lease_ok_at = time.monotonic()
@@ -360,6 +364,7 @@ class Runner:
 
     def terminate(self) -> tuple[Outcome, int | None]:
         """SIGTERM the whole process group, wait the grace period, then SIGKILL it."""
+        self.keep_lease()
         outcome = self.stop_requested or Outcome(
             AttemptState.LOST, FailureClass.INFRA, "the attempt ended elsewhere (another rank failed) or lost its lease"
         )
@@ -377,6 +382,7 @@ class Runner:
         return outcome, exit_status(self.proc.returncode)
 
     def exited(self, returncode: int) -> tuple[Outcome, int | None]:
+        self.keep_lease()
         # Children the command left behind belong to the job: end them too.
         signal_group(self.proc.pid, signal.SIGTERM)
         if not self.writer.wait_for_streams(timeout=2):
@@ -389,6 +395,26 @@ class Runner:
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         self.system(reason, error=True)
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
+
+    def keep_lease(self) -> None:
+        """Outside the watch loop (preflight and start; after the exit, until the outcome is
+        recorded) a thread renews the lease: those steps can wait on a busy database for
+        longer than a lease, and a lapsed lease would end the attempt as lost and rerun it."""
+        if self.keeping_lease is None:
+            self.keeping_lease = threading.Event()
+            threading.Thread(target=self._renew_until, args=(self.keeping_lease,), daemon=True).start()
+
+    def _renew_until(self, stop: threading.Event) -> None:
+        try:
+            while not stop.wait(renew_every()):
+                self.check_current(renew=True)
+        finally:
+            connection.close()
+
+    def stop_keeping_lease(self) -> None:
+        if self.keeping_lease is not None:
+            self.keeping_lease.set()
+            self.keeping_lease = None
 
     def stop_reaper(self) -> None:
         """The job's process group is gone (or this runner is giving up on it): the reaper
