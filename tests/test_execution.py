@@ -3,6 +3,7 @@
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -170,3 +171,29 @@ def test_a_secret_value_printed_by_the_job_is_stored_masked(transactional_db, pr
     texts = list(LogLine.objects.filter(attempt=attempt).values_list("text", flat=True))
     assert "token is *** and pin 42" in texts  # values shorter than MIN_MASKED_SECRET are left alone
     assert not any("s3cr3t-v4lue" in t for t in texts)
+
+
+def test_the_reaper_kills_the_jobs_process_group_when_its_agents_pipe_closes():
+    import subprocess
+
+    job = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30"], start_new_session=True)
+    reaper = execution.start_reaper(job.pid)
+    reaper.stdin.close()  # what the kernel does when the agent dies
+
+    assert reaper.wait(timeout=10) == 0
+    assert job.wait(timeout=10) == -9
+    time.sleep(0.2)
+    assert running_in_group(job.pid) == []  # the background sleep, which PDEATHSIG would not reach, is gone too
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """Processes of a group that are not zombies (this container's init may not reap them)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
