@@ -11,13 +11,16 @@ exited 0; the first rank that fails ends it, and the other ranks, finding it
 ended when they renew its lease, stop their processes.
 """
 
+import ctypes
 import logging
 import os
 import queue
+import resource
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,19 @@ INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGN
 
 WATCH_SECONDS = 0.25
 CHECK_SECONDS = 0.5  # how soon a cancel or preemption reaches the process
+
+# Secret values shorter than this are not masked in the logs: masking every "1" or "ab" would
+# garble the output and hide nothing worth hiding.
+MIN_MASKED_SECRET = 4
+SECRET_MASK = b"***"
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec must not dlopen
+
+# Waits for its stdin to reach end of file, then SIGKILLs the job's process group ($1).
+# Only the agent holds the pipe's write end, so the kernel closes it when the agent dies,
+# however it dies: the job's children die with it instead of running on unwatched.
+REAPER_SCRIPT = 'read -r _; kill -9 "-$1" 2>/dev/null'  # dash's kill takes no --
 
 
 def renew_every() -> float:
@@ -109,6 +125,8 @@ class Runner:
         self.lines: queue.Queue = queue.Queue()
         self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
+        self.reaper: subprocess.Popen | None = None
+        self.keeping_lease: threading.Event | None = None
         self.stop_requested: Outcome | None = None
         self.current = True
 
@@ -130,14 +148,17 @@ class Runner:
         finally:
             if self.writer.is_alive():
                 self.writer.close()
+            self.stop_keeping_lease()
+            self.stop_reaper()
 
     def run_rank(self) -> None:
+        self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds
         where = f"on node {self.node.name}, GPUs {self.gpu_list() or 'none'}"
         rank = f" rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
         self.system(f"attempt {self.attempt.number}{rank} {where}")
         outcome, exit_code = self.preflight_and_execute()
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
-        if others_running and not self.attempt.rank_succeeded(self.rank):
+        if others_running and not self.record(lambda: self.attempt.rank_succeeded(self.rank)):
             self.system(f"rank {self.rank} done; the attempt ends when every rank has")
             self.writer.close()
             return
@@ -145,8 +166,27 @@ class Runner:
         if not self.current:
             log.warning("attempt %s ended elsewhere or lost its lease; rank %s stopped", self.attempt.pk, self.rank)
             return
-        if not self.attempt.finish(outcome.state, outcome.failure_class, outcome.reason, exit_code):
+        ended = outcome.state, outcome.failure_class, outcome.reason, exit_code
+        if not self.record(lambda: self.attempt.finish(*ended)):
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
+
+    def record(self, write: Callable[[], bool]) -> bool:
+        """Write this rank's outcome, retrying while the database fails: an outcome lost
+        after the process exited would let the lease expire and run a finished job again.
+        The lease is renewed between tries; after one lease duration the error is raised."""
+        deadline = time.monotonic() + settings.HANGAR_LEASE_SECONDS
+        delay = 0.1
+        while True:
+            try:
+                return write()
+            except DatabaseError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("attempt %s: cannot record its outcome yet, retrying: %s", self.attempt.pk, exc)
+                close_old_connections()  # a broken connection is closed and reopened by the next query
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                self.check_current(renew=True)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
         from fleet.preflight import run_preflight
@@ -261,14 +301,19 @@ class Runner:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so cancel reaches every child
+            # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG.
+            preexec_fn=job_preexec(settings.HANGAR_JOB_MEMORY_LIMIT_MB),
             **environments.popen_user(self.job, user),
         )
+        self.reaper = start_reaper(proc.pid)
+        lines = MaskedLines(self.lines, list(self.job.secret_env.values()))
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
-            threading.Thread(target=read_lines, args=(pipe, stream, self.lines), daemon=True).start()
+            threading.Thread(target=read_lines, args=(pipe, stream, lines), daemon=True).start()
         self.writer.expect_streams(2)
         return proc
 
     def watch(self) -> tuple[Outcome, int | None]:
+        self.stop_keeping_lease()  # this loop renews it while the process runs
         deadline = time.monotonic() + self.job.max_runtime_seconds
         next_check = next_renew = 0.0
         lease_ok_at = time.monotonic()
@@ -337,6 +382,7 @@ class Runner:
 
     def terminate(self) -> tuple[Outcome, int | None]:
         """SIGTERM the whole process group, wait the grace period, then SIGKILL it."""
+        self.keep_lease()
         outcome = self.stop_requested or Outcome(
             AttemptState.LOST, FailureClass.INFRA, "the attempt ended elsewhere (another rank failed) or lost its lease"
         )
@@ -354,6 +400,7 @@ class Runner:
         return outcome, exit_status(self.proc.returncode)
 
     def exited(self, returncode: int) -> tuple[Outcome, int | None]:
+        self.keep_lease()
         # Children the command left behind belong to the job: end them too.
         signal_group(self.proc.pid, signal.SIGTERM)
         if not self.writer.wait_for_streams(timeout=2):
@@ -374,8 +421,85 @@ class Runner:
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
 
+    def keep_lease(self) -> None:
+        """Outside the watch loop (preflight and start; after the exit, until the outcome is
+        recorded) a thread renews the lease: those steps can wait on a busy database for
+        longer than a lease, and a lapsed lease would end the attempt as lost and rerun it."""
+        if self.keeping_lease is None:
+            self.keeping_lease = threading.Event()
+            threading.Thread(target=self._renew_until, args=(self.keeping_lease,), daemon=True).start()
+
+    def _renew_until(self, stop: threading.Event) -> None:
+        try:
+            while not stop.wait(renew_every()):
+                self.check_current(renew=True)
+        finally:
+            connection.close()
+
+    def stop_keeping_lease(self) -> None:
+        if self.keeping_lease is not None:
+            self.keeping_lease.set()
+            self.keeping_lease = None
+
+    def stop_reaper(self) -> None:
+        """The job's process group is gone (or this runner is giving up on it): the reaper
+        must not outlive it, lest it SIGKILL a later group that reuses the id."""
+        if self.reaper is not None:
+            self.reaper.kill()
+            self.reaper.wait()
+            self.reaper.stdin.close()
+            self.reaper = None
+
     def system(self, text: str, error: bool = False) -> None:
         self.writer.system(f"[hangar] {text}", error)
+
+
+def job_preexec(memory_limit_mb: int) -> Callable[[], None]:
+    """What the job's leader does between fork and exec: die with the runner's thread
+    (PR_SET_PDEATHSIG; its children are the reaper's), and take the memory limit."""
+    limit = memory_limit_mb * 1024 * 1024
+
+    def preexec() -> None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if limit:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return preexec
+
+
+def start_reaper(pgid: int) -> subprocess.Popen:
+    """A shell that SIGKILLs the job's process group when this agent dies (see REAPER_SCRIPT)."""
+    return subprocess.Popen(
+        ["/bin/sh", "-c", REAPER_SCRIPT, "hangar-reaper", str(pgid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C meant for the agent's terminal does not reach it
+    )
+
+
+class MaskedLines:
+    """The queue the pipe readers fill, with the job's secret values replaced by *** in
+    every line before it is stored, pushed or parsed. A value split by the line length
+    limit, or printed transformed (encoded, reversed), is not recognised."""
+
+    def __init__(self, out: queue.Queue, secrets: list[str | None]):
+        self.out = out
+        values = {str(v).encode() for v in secrets if v is not None and len(str(v)) >= MIN_MASKED_SECRET}
+        self.secrets = sorted(values, key=len, reverse=True)  # a secret inside a longer one: the longer first
+
+    def put(self, item: tuple) -> None:
+        """An item of read_lines: (stream, time, [(raw line, cut), ...] or None at the end, flag)."""
+        stream, ts, lines, flag = item
+        if lines and self.secrets:
+            lines = [(self.mask(raw), cut) for raw, cut in lines]
+        self.out.put((stream, ts, lines, flag))
+
+    def mask(self, raw: bytes) -> bytes:
+        for secret in self.secrets:
+            if secret in raw:
+                raw = raw.replace(secret, SECRET_MASK)
+        return raw
 
 
 def rank_env(attempt: Attempt, rank: int, master_addr: str) -> dict[str, str]:

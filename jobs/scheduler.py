@@ -8,11 +8,13 @@ after taking the lock, and a job leaves `queued` by a conditional update.
 """
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, IntegerField, Max, Value, When
 from django.utils import timezone
@@ -255,6 +257,10 @@ def preempt(attempt_id: int, reason: str) -> bool:
 def dispatch(attempt_id: int, queue: str, rank: int = 0) -> None:
     from jobs.tasks import run_attempt
 
+    if settings.HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH:
+        # Drill-only fault: the placement is committed, its wake-up never sent.
+        log.error("fault injected: the scheduler dies before publishing attempt %s", attempt_id)
+        os._exit(137)
     run_attempt.apply_async(args=[attempt_id, rank], queue=queue)
 
 

@@ -6,14 +6,44 @@ that runs for days is never redelivered by a broker's visibility timeout.
 """
 
 import os
+import time
+import uuid
 import warnings
 
 from celery import Celery
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.utils.json import dumps
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 # Agents often run as root on GPU machines; the jobs they start are what matters.
 warnings.filterwarnings("ignore", message=".*superuser privileges.*")
+
+
+class AtomicFilesystemChannel(filesystem.Channel):
+    """kombu's filesystem channel, publishing by rename. kombu's own `_put` creates the
+    message file and only then writes it; a consumer polling in between takes an empty
+    message and its worker dies ("Unrecoverable error: JSONDecodeError", seen in the
+    scheduler drill). Consumers skip the `.partial` name until the rename completes it."""
+
+    def _put(self, queue, payload, **kwargs):
+        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        try:
+            with open(final + ".partial", "wb") as f:
+                f.write(dumps(payload).encode())
+            os.replace(final + ".partial", final)
+        except OSError as exc:
+            raise ChannelError(f"cannot add {final!r} to the broker folder") from exc
+
+
+class AtomicFilesystemTransport(filesystem.Transport):
+    Channel = AtomicFilesystemChannel
+
+
+# The embedded broker's URL stays filesystem://; its scheme names this transport.
+TRANSPORT_ALIASES["filesystem"] = "portal.celery:AtomicFilesystemTransport"
 
 app = Celery("hangar")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -38,7 +38,13 @@ def free_port() -> int:
 
 
 class LiveStack:
-    def __init__(self, env: dict[str, str] | None = None, data_dir: str | None = None, local_agent: bool = True):
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        data_dir: str | None = None,
+        local_agent: bool = True,
+        scheduler: bool = True,
+    ):
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="hangar-stack-"))
         self.port = free_port()
         self.password = secrets.token_urlsafe(12)
@@ -54,6 +60,8 @@ class LiveStack:
             **(env or {}),
         }
         self.local_agent = local_agent
+        # False: `up --no-scheduler`; the caller runs schedulers with start_scheduler().
+        self.scheduler = scheduler
         self.proc: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
         self.token = ""
@@ -92,7 +100,13 @@ class LiveStack:
     def _launch(self) -> None:
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "manage.py", "up", *([] if self.local_agent else ["--no-agent"])],
+                [
+                    sys.executable,
+                    "manage.py",
+                    "up",
+                    *([] if self.local_agent else ["--no-agent"]),
+                    *([] if self.scheduler else ["--no-scheduler"]),
+                ],
                 cwd=BASE_DIR,
                 env=self.env,
                 stdout=out,
@@ -150,6 +164,21 @@ class LiveStack:
                 log = (self.data_dir / f"agent-{name}.log").read_text(errors="replace")
                 raise RuntimeError(f"agent {name} did not register (exit {proc.poll()}):\n{log[-5000:]}")
             time.sleep(0.2)
+        return proc
+
+    def start_scheduler(self, name: str = "scheduler", env: dict[str, str] | None = None) -> subprocess.Popen:
+        """A scheduler process of this stack's own (with `scheduler=False`), logging to `<name>.log`."""
+        with open(self.data_dir / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "manage.py", "scheduler"],
+                cwd=BASE_DIR,
+                env={**self.env, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        self.agents[name] = proc  # stopped with the agents
         return proc
 
     def output(self) -> str:

@@ -258,7 +258,13 @@ BROKER_DIR = DATA_DIR / "broker"
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://localhost/")
 CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{REDIS_PREFIX}:"}
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "global_keyprefix": f"{REDIS_PREFIX}:",
+        # A message taken but not acknowledged this long goes back to the queue. Tasks are
+        # acknowledged early, so only a prefetched message can be redelivered; Attempt.begin
+        # refuses a rank taken twice either way (the reliability drills set it to seconds).
+        "visibility_timeout": env_float("HANGAR_BROKER_VISIBILITY_TIMEOUT", 3600.0, minimum=1.0),
+    }
 if CELERY_BROKER_URL.startswith("filesystem://"):
     for sub in ("queue", "control", "processed"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
@@ -293,6 +299,12 @@ HANGAR_LOG_SPOOL_FLUSH_SECONDS = env_float("HANGAR_LOG_SPOOL_FLUSH_SECONDS", 60.
 # Log lines older than this are deleted by the scheduler's periodic pass, in batches.
 HANGAR_LOG_RETENTION_DAYS = env_float("HANGAR_LOG_RETENTION_DAYS", 60.0, minimum=0.001)
 HANGAR_LOG_RETENTION_INTERVAL_SECONDS = env_float("HANGAR_LOG_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0)
+# Address space of each job process (RLIMIT_AS), in MiB; 0 = no limit. A job past it
+# gets an allocation error (its own failure), not the node's OOM killer.
+HANGAR_JOB_MEMORY_LIMIT_MB = env_int("HANGAR_JOB_MEMORY_LIMIT_MB", 0, minimum=0)
+# Drill-only fault (tests/test_drills_agents.py): the scheduler process exits right
+# after committing a placement, before publishing its task. Never set it in production.
+HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH = env_bool("HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH", False)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 # Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
 # "hangar-job"). Unset: as the agent's own user (an agent running as root warns).

@@ -3,6 +3,7 @@
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -128,3 +129,71 @@ def test_a_look_without_renewal_writes_nothing(db, project, owner, node):
 
     assert runner.check_current(renew=False) and runner.current and runner.stop_requested is None
     assert Attempt.objects.get(pk=attempt.pk).lease_expires_at is None
+
+
+def test_an_outcome_is_recorded_when_the_database_fails_at_first(transactional_db, project, owner, monkeypatch):
+    """The command exited 0, then the first writes of its outcome hit a database error: the
+    runner retries instead of leaving the attempt to its lease (which would run it again)."""
+    from django.db import OperationalError
+
+    make_node("node-a", gpus=1)
+    job = make_job(project, owner, command=[sys.executable, "-c", "print('done')"])
+    (attempt,) = scheduler.schedule_pass()
+    real_finish, calls = Attempt.finish, []
+
+    def finish_after_two_failures(self, *args, **kwargs):
+        # A test double for the database edge: the first two writes fail as a dropped connection would.
+        calls.append(args[0])
+        if len(calls) <= 2:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Attempt, "finish", finish_after_two_failures)
+    execution.run_attempt(attempt.pk)
+
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    assert calls == [AttemptState.SUCCEEDED] * 3
+    assert (attempt.state, job.state, job.attempts.count()) == (AttemptState.SUCCEEDED, JobState.SUCCEEDED, 1)
+
+
+def test_a_secret_value_printed_by_the_job_is_stored_masked(transactional_db, project, owner):
+    make_node("node-a", gpus=1)
+    code = "import os; print('token is', os.environ['API_TOKEN'], 'and pin', os.environ['PIN'])"
+    job = make_job(
+        project, owner, command=[sys.executable, "-c", code], secret_env={"API_TOKEN": "s3cr3t-v4lue", "PIN": "42"}
+    )
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    texts = list(LogLine.objects.filter(attempt=attempt).values_list("text", flat=True))
+    assert "token is *** and pin 42" in texts  # values shorter than MIN_MASKED_SECRET are left alone
+    assert not any("s3cr3t-v4lue" in t for t in texts)
+
+
+def test_the_reaper_kills_the_jobs_process_group_when_its_agents_pipe_closes():
+    import subprocess
+
+    job = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30"], start_new_session=True)
+    reaper = execution.start_reaper(job.pid)
+    reaper.stdin.close()  # what the kernel does when the agent dies
+
+    assert reaper.wait(timeout=10) == 0
+    assert job.wait(timeout=10) == -9
+    time.sleep(0.2)
+    assert running_in_group(job.pid) == []  # the background sleep, which PDEATHSIG would not reach, is gone too
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """Processes of a group that are not zombies (this container's init may not reap them)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found

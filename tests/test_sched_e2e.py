@@ -122,8 +122,9 @@ def test_a_preempted_scavenger_checkpoints_and_resumes_after_the_urgent_job(stac
     scavenger = stack.submit(script(CHECKPOINTING), name="scavenger", priority="scavenger", nodes=2, gpus_per_node=4)
     stack.wait_for(scavenger["id"], ("running",), timeout=60)
     deadline = time.monotonic() + 60
-    while not any(line["text"] == "training" for line in all_lines(stack, scavenger["id"])):
-        assert time.monotonic() < deadline, "the scavenger never started training"
+    # Both ranks: one still starting when the SIGTERM comes has no handler yet, so no checkpoint.
+    while {line["rank"] for line in all_lines(stack, scavenger["id"]) if line["text"] == "training"} != {0, 1}:
+        assert time.monotonic() < deadline, "the scavenger's ranks never both started training"
         time.sleep(0.2)
 
     urgent = stack.submit(

@@ -27,14 +27,17 @@ class Command(BaseCommand):
         parser.add_argument("--host", default=os.environ.get("HANGAR_HOST") or "127.0.0.1")
         parser.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT") or 8000))
         parser.add_argument("--no-agent", action="store_true", help="Do not start a node agent on this machine.")
+        parser.add_argument(
+            "--no-scheduler", action="store_true", help="Do not start the scheduler (run `manage.py scheduler` apart)."
+        )
 
-    def handle(self, *args, host, port, no_agent, **options):
+    def handle(self, *args, host, port, no_agent, no_scheduler=False, **options):
         check_port_free(host, port)
         call_command("migrate", interactive=False, verbosity=0)
         login = ensure_admin()
         ensure_default_project()
         started = timezone.now()
-        children = start_children(host, port, no_agent)
+        children = start_children(host, port, no_agent, no_scheduler)
         try:
             wait_for_port(host, port, children)
             if not no_agent:
@@ -91,7 +94,7 @@ def ensure_default_project() -> None:
         Membership.objects.get_or_create(project=project, user=admin, defaults={"role": Role.ADMIN})
 
 
-def start_children(host: str, port: int, no_agent: bool) -> dict[str, subprocess.Popen]:
+def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = False) -> dict[str, subprocess.Popen]:
     python = sys.executable
     manage = str(settings.BASE_DIR / "manage.py")
     commands = {
@@ -115,6 +118,8 @@ def start_children(host: str, port: int, no_agent: bool) -> dict[str, subprocess
         ],
         "scheduler": [python, manage, "scheduler"],
     }
+    if no_scheduler:
+        del commands["scheduler"]
     if not no_agent:
         commands["agent"] = [python, manage, "agent"]
     env = {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
