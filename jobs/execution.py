@@ -140,14 +140,27 @@ class Runner:
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
         if others_running and not self.attempt.rank_succeeded(self.rank):
             self.system(f"rank {self.rank} done; the attempt ends when every rank has")
-            self.writer.close()
+            self.close_writer()
             return
-        self.writer.close()
+        self.close_writer()
         if not self.current:
             log.warning("attempt %s ended elsewhere or lost its lease; rank %s stopped", self.attempt.pk, self.rank)
             return
         if not self.attempt.finish(outcome.state, outcome.failure_class, outcome.reason, exit_code):
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
+
+    def close_writer(self) -> None:
+        """Wait until every line is stored, renewing the lease meanwhile. After a flood of
+        output (or across a database outage) storing the backlog can outlast the lease,
+        and an expired lease would end, and requeue, an attempt whose command already
+        exited: the job would run again."""
+        self.lines.put(None)  # what LogWriter.close() sends, without its unbounded join
+        next_renew = time.monotonic() + renew_every()
+        while self.writer.is_alive():
+            self.writer.join(WATCH_SECONDS)
+            if self.current and time.monotonic() >= next_renew:
+                next_renew = time.monotonic() + renew_every()
+                self.check_current(renew=True)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
         from fleet.preflight import run_preflight
