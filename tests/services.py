@@ -6,6 +6,7 @@ that restarts a service starts its own on a free port and tears it down after.
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -79,6 +80,7 @@ class PrivatePostgres:
         self.root = Path(tempfile.mkdtemp(prefix="hangar-pg-"))
         self.data = self.root / "data"
         self.socket_dir = self.root / "socket"
+        self.proc: subprocess.Popen | None = None
 
     @staticmethod
     def missing() -> str | None:
@@ -111,22 +113,42 @@ class PrivatePostgres:
         return self
 
     def start(self) -> None:
-        options = (
-            f"-p {self.port} -k {self.socket_dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300"
-        )
-        log = str(self.root / "postgres.log")
-        self.as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-o", options, "-l", log, "-w", "start")
+        # The postmaster runs in the foreground as this process's child, so a killed test
+        # run takes it down too (SIGTERM on the parent's death); pg_ctl would detach it.
+        argv = [str(PG_BIN / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.socket_dir)]
+        options = ["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=300"]
+        with open(self.root / "postgres.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [*argv, *options], user="postgres", stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Until it accepts a session (it listens before it has finished starting up)."""
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                psycopg.connect(self.url, connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"PostgreSQL on port {self.port} did not start; see {self.root}/postgres.log")
+                time.sleep(0.05)
 
     def stop(self) -> None:
-        self.as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+        """Fast shutdown (SIGINT): clients are disconnected, as in a database restart."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=30)
+        self.proc = None
+        wait_for_port(self.port, up=False)
 
     def __enter__(self) -> "PrivatePostgres":
         self.init().start()
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self.stop()
-        except subprocess.CalledProcessError:
-            pass  # already stopped
+        self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
