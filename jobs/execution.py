@@ -155,7 +155,7 @@ class Runner:
         and an expired lease would end, and requeue, an attempt whose command already
         exited: the job would run again."""
         self.lines.put(None)  # what LogWriter.close() sends, without its unbounded join
-        next_renew = time.monotonic() + renew_every()
+        next_renew = 0.0  # at once: exited() may just have waited up to 7 s for the streams
         while self.writer.is_alive():
             self.writer.join(WATCH_SECONDS)
             if self.current and time.monotonic() >= next_renew:
