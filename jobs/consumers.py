@@ -114,6 +114,10 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             await self.follow(subscription)
         except asyncio.CancelledError:
             raise
+        except OSError as exc:
+            # The viewer went away mid-send (uvicorn's ClientDisconnected is an OSError):
+            # routine for a client that reconnects from its cursor, not a failure to log.
+            log.info("log stream of job %s: viewer disconnected (%s)", self.job_id, type(exc).__name__)
         except Exception:
             log.exception("log stream of job %s failed", self.job_id)
             await self.close(code=1011)  # the client reconnects from its cursor

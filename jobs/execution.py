@@ -160,9 +160,9 @@ class Runner:
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
         if others_running and not self.record(lambda: self.attempt.rank_succeeded(self.rank)):
             self.system(f"rank {self.rank} done; the attempt ends when every rank has")
-            self.writer.close()
+            self.writer.close()  # the lease is kept meanwhile (keep_lease)
             return
-        self.writer.close()
+        self.writer.close()  # the lease is kept meanwhile (keep_lease)
         if not self.current:
             log.warning("attempt %s ended elsewhere or lost its lease; rank %s stopped", self.attempt.pk, self.rank)
             return
@@ -186,7 +186,6 @@ class Runner:
                 close_old_connections()  # a broken connection is closed and reopened by the next query
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-                self.check_current(renew=True)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
         from fleet.preflight import run_preflight

@@ -53,6 +53,12 @@ app.conf.update(
     task_default_queue="hangar.scheduler",
     task_create_missing_queues=True,
     broker_connection_retry_on_startup=True,
+    # A broker restart must not end an agent or the scheduler: they reconnect for as
+    # long as it takes (the default gives up after 100 tries), and running attempts
+    # keep running meanwhile (their state is in the database, not in the message).
+    broker_connection_retry=True,
+    broker_connection_max_retries=None,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
     worker_hijack_root_logger=False,
     worker_send_task_events=False,
     task_serializer="json",

@@ -101,6 +101,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "portal.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -136,9 +137,20 @@ if DATABASE_URL:
         # Under ASGI each request runs in a thread of its own, so persistent
         # per-thread connections would be opened anew for every request; a pool
         # shared by the process's threads is what keeps connections warm.
+        # A request waits at most HANGAR_DB_POOL_TIMEOUT for a connection: while the
+        # database is down that is how long it takes to answer 503.
         DATABASES["default"]["OPTIONS"] = {
-            "pool": {"min_size": 2, "max_size": env_int("HANGAR_DB_POOL_SIZE", 20, minimum=2), "timeout": 10}
+            "pool": {
+                "min_size": 2,
+                "max_size": env_int("HANGAR_DB_POOL_SIZE", 20, minimum=2),
+                "timeout": env_float("HANGAR_DB_POOL_TIMEOUT", 5.0, minimum=0.1),
+            }
         }
+        # With a pool this makes Django pass psycopg_pool's check_connection as the pool's
+        # `check`: a connection broken by a database restart is replaced when taken from
+        # the pool instead of failing one request each. (Django 5.2 refuses "check" in
+        # the pool options themselves: it always passes its own.)
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 else:
     DATABASES = {
         "default": {
