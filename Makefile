@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: start test bench chromium
+.PHONY: start test bench drills chromium
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,3 +34,7 @@ test: $(VENV)/.test chromium
 ## bench: every benchmark, quick
 bench: $(VENV)/.test
 	for script in bench/*.py; do $(PY) $$script --quick || exit 1; done
+
+## drills: the reliability drills alone, printing their figures (they also run in `make test`)
+drills: $(VENV)/.test
+	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) -m pytest -m e2e tests/test_drills_agents.py tests/test_drills_services.py -s -q
