@@ -225,6 +225,9 @@ def test_drill_3_database_restart_answers_503_and_loses_no_transition(tmp_path):
 # lease keeps the drill sharp for a runner that stops renewing while it stores a backlog.
 FLOOD_SECONDS = int(os.environ.get("HANGAR_DRILL_FLOOD_SECONDS") or 3)
 FLOOD_MOST_LINES = int(os.environ.get("HANGAR_DRILL_FLOOD_MOST_LINES") or 400_000)
+# How long the viewer may take to read the flood back once it reconnected five times:
+# a 30 s flood is millions of lines, stored at the database's pace, then replayed.
+FLOOD_READ_BACK_SECONDS = float(os.environ.get("HANGAR_DRILL_FLOOD_READ_BACK_SECONDS") or 180)
 FLOOD = """
 import sys, time
 end, i, out = time.time() + {seconds}, 0, sys.stdout.buffer
@@ -306,7 +309,7 @@ def test_drill_7_log_flood_reaches_a_reconnecting_viewer_exactly_once(tmp_path):
             received += lines
             connections += 1
             time.sleep(0.3)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + FLOOD_READ_BACK_SECONDS
         while not final and time.monotonic() < deadline:
             lines, cursor, final = view(stack, job["id"], cursor, deadline - time.monotonic())
             received += lines
