@@ -7,6 +7,7 @@ output) and fault injection on simulated nodes.
 """
 
 import logging
+import queue
 import socket
 import threading
 import time
@@ -234,4 +235,7 @@ def inject_nccl_failure(gpu_index: int | None) -> None:
         if gpu_index is None or gpu_index in runner.attempt.gpu_indices:
             text = f"node{runner.attempt.node_id}:{runner.proc.pid if runner.proc else 0} NCCL WARN [simulated] "
             text += "Call to ibv_post_send failed: unhandled system error"
-            runner.lines.put((Stream.STDERR, timezone.now(), text.encode(), False))
+            try:  # the queue is bounded: a flooded one must not stall the heartbeat
+                runner.lines.put((Stream.STDERR, timezone.now(), text.encode(), False), timeout=5)
+            except queue.Full:
+                log.warning("attempt %s: simulated NCCL line dropped, its output queue is full", runner.attempt.pk)

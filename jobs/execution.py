@@ -45,6 +45,7 @@ _running_lock = threading.Lock()
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
 
 WATCH_SECONDS = 0.25
+LINE_QUEUE_READS = 256  # pipe reads (each up to 64 KiB of lines) waiting to be parsed
 CHECK_SECONDS = 0.5  # how soon a cancel or preemption reaches the process
 
 # Secret values shorter than this are not masked in the logs: masking every "1" or "ab" would
@@ -122,7 +123,9 @@ class Runner:
         # (Never saved: attempt rows change only through conditional updates.)
         attempt.gpu_indices = self.gpus
         attempt.node = self.node
-        self.lines: queue.Queue = queue.Queue()
+        # Bounded: a job printing faster than the database stores is held to its pace
+        # (its pipe fills) instead of the agent's memory growing with the backlog.
+        self.lines: queue.Queue = queue.Queue(maxsize=LINE_QUEUE_READS)
         self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
         self.reaper: subprocess.Popen | None = None

@@ -276,11 +276,22 @@ class LogWriter(threading.Thread):
         return self.streams_done.wait(timeout)
 
     def system(self, text: str, error: bool) -> None:
-        self.lines.put((Stream.SYSTEM, timezone.now(), text.encode(), error))
+        self.put((Stream.SYSTEM, timezone.now(), text.encode(), error))
 
     def close(self) -> None:
-        self.lines.put(None)
+        self.put(None)
         self.join()
+
+    def put(self, item) -> None:
+        """Queue an item even when the queue is bounded and full; give up only if this
+        writer is no longer there to drain it (never block the runner for ever)."""
+        while True:
+            try:
+                self.lines.put(item, timeout=1.0)
+                return
+            except queue.Full:
+                if not self.is_alive():
+                    return
 
     def run(self) -> None:
         storer = threading.Thread(target=self.store_forever, daemon=True, name=f"{self.name}-store")
