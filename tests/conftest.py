@@ -1,11 +1,14 @@
 """Shared test data: an owner, a teammate and an outsider, and the projects they belong to."""
 
+import os
+
 import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
 from fleet.models import GPU, Node
 from jobs.models import Attempt, Job
+from portal.livestack import ServicesDatabase
 from portal.models import ApiToken, Membership, Project, Role
 
 
@@ -141,3 +144,14 @@ def browser():
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         yield browser
         browser.close()
+
+
+def services_database() -> ServicesDatabase:
+    """PostgreSQL + Redis for a services-mode stack: skipped with the reason where they are
+    not reachable, a failure under CI (CI=true), which must run them."""
+    services = ServicesDatabase()
+    if missing := services.available():
+        if os.environ.get("CI"):
+            pytest.fail(f"services mode must run in CI: {missing}")
+        pytest.skip(missing)
+    return services

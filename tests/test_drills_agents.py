@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from websockets.sync.client import connect
 
-from portal.livestack import LiveStack, ServicesDatabase
+from portal.livestack import LiveStack
+from tests.conftest import services_database
 
 pytestmark = pytest.mark.e2e
 
@@ -317,12 +318,7 @@ VISIBILITY = 3.0
 
 @pytest.fixture(scope="module")
 def services_stack(tmp_path_factory):
-    services = ServicesDatabase()
-    missing = services.available()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"services mode must run in CI: {missing}")
-        pytest.skip(missing)
+    services = services_database()
     data_dir = str(tmp_path_factory.mktemp("drills-services"))
     env = {**FAST, "HANGAR_BROKER_VISIBILITY_TIMEOUT": str(VISIBILITY)}
     with services as urls, LiveStack(env={**urls, **env}, data_dir=data_dir) as live:

@@ -7,7 +7,6 @@ failure, elsewhere the services tests are skipped with the reason.
 """
 
 import json
-import os
 import sys
 import textwrap
 import time
@@ -16,7 +15,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from portal.livestack import LiveStack, ServicesDatabase
+from portal.livestack import LiveStack
+from tests.conftest import services_database
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +30,7 @@ def stack(request, tmp_path_factory):
         with LiveStack(data_dir=str(data_dir)) as live:
             yield live
         return
-    services = ServicesDatabase()
-    missing = services.available()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"services mode must run in CI: {missing}")
-        pytest.skip(missing)
+    services = services_database()
     with services as env, LiveStack(env=env, data_dir=str(data_dir)) as live:
         yield live
 

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from portal.livestack import LiveStack, ServicesDatabase
+from portal.livestack import LiveStack
+from tests.conftest import services_database
 
 pytestmark = pytest.mark.e2e
 
@@ -46,12 +47,7 @@ def stack(request, tmp_path_factory):
             live.start_agent("node-b", gpus=4, model="H100")
             yield live
         return
-    services = ServicesDatabase()
-    missing = services.available()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"services mode must run in CI: {missing}")
-        pytest.skip(missing)
+    services = services_database()
     with services as env, LiveStack(env={**env, **FAST}, data_dir=str(data_dir)) as live:
         live.start_agent("node-b", gpus=4, model="H100")
         yield live

@@ -5,14 +5,14 @@ Services mode needs PostgreSQL and Redis; under CI (CI=true) their absence is a
 failure, elsewhere those tests are skipped with the reason.
 """
 
-import os
 import sys
 import textwrap
 import time
 
 import pytest
 
-from portal.livestack import LiveStack, ServicesDatabase
+from portal.livestack import LiveStack
+from tests.conftest import services_database
 
 pytestmark = pytest.mark.e2e
 torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) is in requirements-test.txt")
@@ -29,12 +29,7 @@ def stack(request, tmp_path_factory):
             live.start_agent("node-b", gpus=4)
             yield live
         return
-    services = ServicesDatabase()
-    missing = services.available()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"services mode must run in CI: {missing}")
-        pytest.skip(missing)
+    services = services_database()
     with services as env, LiveStack(env={**env, **ENV}, data_dir=data_dir) as live:
         live.start_agent("node-b", gpus=4)
         yield live
