@@ -227,8 +227,9 @@ class Runner:
         return run_rendezvous(self.attempt, self.rank, self.world_size, self.master_addr(), port, self.still_current)
 
     def still_current(self) -> bool:
-        """For waits before the process starts: renews the lease, sees a cancel or another rank's end."""
-        self.check_current(renew=True)
+        """For waits before the process starts: sees a cancel or another rank's end (the
+        keep_lease thread renews the lease meanwhile)."""
+        self.check_current(renew=False)
         return self.current and self.stop_requested is None
 
     def wait_for_gpus(self) -> bool:
@@ -236,7 +237,7 @@ class Runner:
         our GPUs. An ended attempt's rank can outlive its row's final state by its grace
         period (a preempted job writing its checkpoint); a new process must not share the
         GPU with it, nor read a checkpoint it is still writing. False if the attempt ended
-        or was stopped meanwhile (the lease is renewed while waiting)."""
+        or was stopped meanwhile (keep_lease renews the lease while it waits)."""
         announced = False
         next_check = 0.0
         while True:
@@ -254,7 +255,7 @@ class Runner:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHECK_SECONDS
-                self.check_current(renew=True)
+                self.check_current(renew=False)  # keep_lease renews it
             if self.stop_requested is not None or not self.current:
                 return False
             time.sleep(WATCH_SECONDS)
