@@ -552,7 +552,8 @@ class LogLine(models.Model):
             models.UniqueConstraint(fields=["attempt", "rank", "rank_seq"], name="log_rank_seq_unique"),
         ]
         indexes = [
-            models.Index(fields=["job", "severity"], name="log_job_severity"),
+            # Severity with rank: errors of one rank come from the index, not the heap.
+            models.Index(fields=["job", "severity", "rank"], name="log_job_severity_rank"),
             # Finding an attempt's first error: only errors and faults are in it.
             models.Index(
                 fields=["job", "attempt", "seq"],
@@ -563,6 +564,8 @@ class LogLine(models.Model):
             models.Index(fields=["job", "ts"], name="log_job_ts"),
             # Retention deletes by age across all jobs.
             models.Index(fields=["ts"], name="log_ts"),
+            # On PostgreSQL also log_text_lower_trgm, a trigram index on lower(text)
+            # for text search (migration 0008).
         ]
 
     @classmethod

@@ -380,7 +380,8 @@ def cmd_logs(args) -> int:
         for line in page["lines"]:
             if keep(line, args):
                 print_line(args, line)
-        if not page["lines"] or page["cursor"] == cursor:
+        # A page may be short, even empty, with more to come: a filter walking through lines that don't match.
+        if not page["more"] or page["cursor"] == cursor:
             return EXIT_OK
         cursor = page["cursor"]
 

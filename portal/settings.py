@@ -311,6 +311,11 @@ HANGAR_LOG_SPOOL_FLUSH_SECONDS = env_float("HANGAR_LOG_SPOOL_FLUSH_SECONDS", 60.
 # Log lines older than this are deleted by the scheduler's periodic pass, in batches.
 HANGAR_LOG_RETENTION_DAYS = env_float("HANGAR_LOG_RETENTION_DAYS", 60.0, minimum=0.001)
 HANGAR_LOG_RETENTION_INTERVAL_SECONDS = env_float("HANGAR_LOG_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0)
+# A filtered page of log lines (PostgreSQL): the planner's plan gets this long; a
+# slower one (a filter combination its estimates get wrong) is cancelled and the page
+# is read window by window in line order instead, for at most HANGAR_LOG_PAGE_BUDGET_MS.
+HANGAR_LOG_QUERY_TIMEOUT_MS = env_int("HANGAR_LOG_QUERY_TIMEOUT_MS", 300, minimum=10)
+HANGAR_LOG_PAGE_BUDGET_MS = env_int("HANGAR_LOG_PAGE_BUDGET_MS", 1000, minimum=10)
 # Address space of each job process (RLIMIT_AS), in MiB; 0 = no limit. A job past it
 # gets an allocation error (its own failure), not the node's OOM killer.
 HANGAR_JOB_MEMORY_LIMIT_MB = env_int("HANGAR_JOB_MEMORY_LIMIT_MB", 0, minimum=0)

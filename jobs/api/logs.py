@@ -79,7 +79,8 @@ class JobLogsView(APIView):
             if lines or final or time.monotonic() >= deadline:
                 break
             cursor = after
-            time.sleep(FOLLOW_POLL_SECONDS)
+            if not more:  # more with no lines: a walk through non-matching lines goes on at once
+                time.sleep(FOLLOW_POLL_SECONDS)
         return Response(
             {
                 "lines": wire_lines(lines, log_filter.pattern()),
@@ -122,18 +123,15 @@ class DownloadChunks:
         self.done = False
 
     def next_chunk(self) -> bytes | None:
-        if self.done:
-            return None
-        lines = list(self.log_filter.lines_after(self.job_id, self.cursor)[:DOWNLOAD_CHUNK])
-        if len(lines) < DOWNLOAD_CHUNK:
-            self.done = True
-        if not lines:
-            return None
-        self.cursor = (lines[-1].attempt_id, lines[-1].seq)
-        wire = wire_lines(lines)
-        if self.kind == "jsonl":
-            return "".join(json.dumps(line) + "\n" for line in wire).encode()
-        return "".join(text_line(line) for line in wire).encode()
+        while not self.done:
+            lines, self.cursor, more = read_page(self.job_id, self.log_filter, self.cursor, DOWNLOAD_CHUNK)
+            self.done = not more
+            if lines:
+                wire = wire_lines(lines)
+                if self.kind == "jsonl":
+                    return "".join(json.dumps(line) + "\n" for line in wire).encode()
+                return "".join(text_line(line) for line in wire).encode()
+        return None
 
     def __iter__(self):
         while (chunk := self.next_chunk()) is not None:
