@@ -29,6 +29,8 @@ FILTER_PARAMS = ("attempt", "node", "rank", "severity", "since", "until", "last_
 # Lines of one window of the ordered walk: about 0.1-0.2 s of filtering on PostgreSQL.
 WALK_WINDOW = 100_000
 WALK_WINDOW_MIN = 1_000
+# What a reader of lines needs (jobs.messages.wire_lines), as read_page returns them.
+ROW_FIELDS = ("attempt_id", "seq", "node_id", "rank", "stream", "severity", "fault", "ts", "text")
 QUERY_CANCELED = "57014"  # PostgreSQL's SQLSTATE for a statement cancelled by statement_timeout
 
 
@@ -237,6 +239,9 @@ def _time(raw: str, field: str) -> datetime | None:
 def read_page(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], limit: int):
     """Up to `limit` matching lines after the cursor, the cursor to resume from, and whether more are waiting.
 
+    Lines are rows with LogLine's attribute names (ROW_FIELDS), not model instances:
+    a replay reads tens of thousands a second, and building models was most of it.
+
     With fewer than `limit` matches the cursor moves past every line stored
     when the read began (its high-water mark), matching or not, so a filtered
     follower does not scan the same non-matching lines again.
@@ -252,10 +257,11 @@ def read_page(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], limit
     high = LogLine.high_water(job_id)
     if high <= cursor:
         return [], cursor, False
+    query = log_filter.lines_after(job_id, cursor).values_list(*ROW_FIELDS, named=True)[:limit]
     if log_filter == LogFilter():
-        lines = list(log_filter.lines_after(job_id, cursor)[:limit])
+        lines = list(query)
     else:
-        lines = bounded(log_filter.lines_after(job_id, cursor)[:limit])
+        lines = bounded(query)
         if lines is None:
             return _walk(job_id, log_filter, cursor, high, limit)
     if len(lines) == limit:
@@ -309,7 +315,7 @@ def _walk(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], high: tup
     read only up to the mark, so the returned cursor never passes an unstored line.
     """
     deadline = time.monotonic() + settings.HANGAR_LOG_PAGE_BUDGET_MS / 1000
-    found: list[LogLine] = []
+    found: list = []
     position, window = cursor, WALK_WINDOW
     attempts = Attempt.objects.filter(job_id=job_id, pk__gte=cursor[0], pk__lte=high[0]).order_by("pk")
     for attempt_id in attempts.values_list("pk", flat=True):
@@ -320,7 +326,8 @@ def _walk(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], high: tup
                 return found, position, True
             stop = min(start + window, end)
             span = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id, seq__gt=start, seq__lte=stop)
-            page = log_filter.apply(span, prefilter=True).order_by("attempt_id", "seq")[: limit - len(found)]
+            page = log_filter.apply(span, prefilter=True).order_by("attempt_id", "seq")
+            page = page.values_list(*ROW_FIELDS, named=True)[: limit - len(found)]
             # The smallest window runs to its end: a walk always makes progress.
             began = time.monotonic()
             lines = bounded(page, in_order=True, timeout_ms=None if window > WALK_WINDOW_MIN else 0)

@@ -104,13 +104,15 @@ def telemetry_url(line: WireLine) -> str | None:
 
 
 def wire_lines(lines, pattern=None) -> list[WireLine]:
-    """Stored LogLine rows in the shape the API and the websocket send; `hl` when a text filter is set."""
+    """Stored lines (LogLine rows, or read_page's named rows) in the shape the API and the
+    websocket send; `hl` when a text filter is set."""
     from fleet.models import Node
     from jobs.logquery import highlights
     from jobs.models import Attempt, Severity, Stream
 
     names = dict(Node.objects.filter(pk__in={line.node_id for line in lines}).values_list("pk", "name"))
     numbers = dict(Attempt.objects.filter(pk__in={line.attempt_id for line in lines}).values_list("pk", "number"))
+    streams, severities = dict(Stream.choices), dict(Severity.choices)
     out: list[WireLine] = []
     for line in lines:
         wire: WireLine = {
@@ -120,8 +122,8 @@ def wire_lines(lines, pattern=None) -> list[WireLine]:
             "ts": line.ts.isoformat(),
             "node": names.get(line.node_id),
             "rank": line.rank,
-            "stream": Stream(line.stream).label,
-            "severity": Severity(line.severity).label,
+            "stream": streams[line.stream],
+            "severity": severities[line.severity],
             "fault": line.fault,
             "text": line.text,
         }
