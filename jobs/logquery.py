@@ -350,6 +350,15 @@ def _last_seq(job_id: int, attempt_id: int) -> int:
 
 
 def first_error(job_id: int, skip_attempts=()) -> LogLine | None:
-    """The earliest line at ERROR or worse, or naming a fault, of the job's attempts not in `skip_attempts`."""
+    """The earliest line at ERROR or worse, or naming a fault, of the job's attempts not in `skip_attempts`.
+
+    One probe of the partial error index per attempt, in order: a single query
+    excluding the skipped attempts would read past every error of theirs (100,000
+    errors in a 10-million-line attempt: 0.4 s, once per websocket batch).
+    """
+    attempts = Attempt.objects.filter(job_id=job_id).exclude(pk__in=skip_attempts).order_by("pk")
     errors = LogLine.objects.filter(job_id=job_id).filter(Q(severity__gte=Severity.ERROR) | Q(fault=True))
-    return errors.exclude(attempt_id__in=skip_attempts).order_by("attempt_id", "seq").first()
+    for attempt_id in attempts.values_list("pk", flat=True):
+        if (line := errors.filter(attempt_id=attempt_id).order_by("seq").first()) is not None:
+            return line
+    return None
