@@ -20,7 +20,7 @@ for i in range(400):
     print(f"step {i} loss={1 / (i + 1):.4f}", flush=True)
     if i % 10 == 5:
         print(f"ERROR: step {i} had a NaN", flush=True)
-    time.sleep(0.1)
+    time.sleep(0.25)
 """
 
 SECOND_RANK = """
@@ -50,7 +50,6 @@ def rows(page) -> list[dict]:
 def test_a_running_jobs_lines_arrive_and_filters_change_the_view(browser, stack):  # noqa: F811
     job = stack.submit([sys.executable, "-c", textwrap.dedent(JOB)], name="log-viewer")
     stack.wait_for(job["id"], ("running",))
-    stack.manage("shell", "-c", SECOND_RANK.format(job_id=job["id"]))
 
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.goto(stack.url + "/login/")
@@ -60,6 +59,9 @@ def test_a_running_jobs_lines_arrive_and_filters_change_the_view(browser, stack)
     page.goto(f"{stack.url}/jobs/{job['id']}/")
 
     page.wait_for_selector("#log .line.stdout")
+    # The second rank writes while the page follows: its lines arrive live at the end
+    # (rows are virtualised, so lines long scrolled past are not in the page).
+    stack.manage("shell", "-c", SECOND_RANK.format(job_id=job["id"]))
     page.wait_for_selector("#log .line >> text=rank 1 step 19", timeout=20000)
     seen = page.locator("#log-count").inner_text()
     page.wait_for_function(f"document.getElementById('log-count').innerText !== {seen!r}", timeout=10000)  # live
