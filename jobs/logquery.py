@@ -310,9 +310,9 @@ def _walk(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], high: tup
 
     Each window is a range of the job's cursor index, so its cost is bounded by its
     size whatever the filter; a window that still overruns the timeout is halved, one
-    that takes under a quarter of it is doubled. Lines
-    of attempts before the high-water mark's are all stored, and the last attempt is
-    read only up to the mark, so the returned cursor never passes an unstored line.
+    that takes under a quarter of it is doubled. Lines of attempts before the
+    high-water mark's are all stored, and the last attempt is read only up to the
+    mark, so the returned cursor never passes an unstored line.
     """
     deadline = time.monotonic() + settings.HANGAR_LOG_PAGE_BUDGET_MS / 1000
     found: list = []
