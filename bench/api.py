@@ -56,6 +56,13 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """CPU time every core of this machine has spent busy (not idle or waiting on disk), /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def web_processes(root: int) -> list[int]:
     """The uvicorn process under `manage.py up`, and its workers."""
     for pid in descendants(root):
@@ -150,8 +157,10 @@ def run(args) -> None:
         web = web_processes(stack.proc.pid)
         others = [pid for pid in descendants(stack.proc.pid) if pid not in web]
         web_cpu, other_cpu = cpu_seconds(web), cpu_seconds(others)
+        client_cpu, machine_cpu = time.process_time(), machine_busy_seconds()
         latencies, errors, elapsed = asyncio.run(load(stack.url, tokens, seconds))
         web_cpu, other_cpu = cpu_seconds(web) - web_cpu, cpu_seconds(others) - other_cpu
+        client_cpu, machine_cpu = time.process_time() - client_cpu, machine_busy_seconds() - machine_cpu
 
     rate = len(latencies) / elapsed
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
@@ -160,13 +169,16 @@ def run(args) -> None:
     # machine sustains is about (cores for the web server) / web_cpu_ms_per_submit.
     done = max(len(latencies), 1)
     print(
-        f"web server CPU {web_cpu * 1000 / done:.1f} ms per submit; scheduler and agent "
-        f"{other_cpu * 1000 / done:.1f} ms per submit; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+        f"CPU per submit: web server {web_cpu * 1000 / done:.1f} ms, scheduler and agent "
+        f"{other_cpu * 1000 / done:.1f} ms, these clients {client_cpu * 1000 / done:.1f} ms, the whole machine "
+        f"(with PostgreSQL, Redis, anything else running) {machine_cpu * 1000 / done:.1f} ms; "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
     )
     print(
         f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
         f"errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers} "
-        f"web_cpu_ms={web_cpu * 1000 / done:.1f}"
+        f"web_cpu_ms={web_cpu * 1000 / done:.1f} client_cpu_ms={client_cpu * 1000 / done:.1f} "
+        f"machine_cpu_ms={machine_cpu * 1000 / done:.1f}"
     )
 
 

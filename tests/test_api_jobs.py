@@ -255,3 +255,38 @@ def test_the_submit_page_takes_secrets_and_never_shows_them_back(client, roles, 
     assert "s3cret-value" not in refused.content.decode()
     assert Job.objects.get().secret_env == {"API_KEY": "s3cret-value"}
     assert "s3cret-value" not in created.content.decode() and "API_KEY=********" in created.content.decode()
+
+
+# --- The response's shape ---------------------------------------------------------
+
+
+def test_the_written_out_job_json_matches_the_declared_fields(roles, gpus):
+    from django.utils import timezone
+    from rest_framework import serializers
+
+    from jobs.api.serializers import JobSerializer
+    from jobs.models import Environment
+
+    environment = Environment.objects.create(name="torch", everywhere=True)
+    plain = make_job(roles["lab"], roles["member"])
+    full = make_job(
+        roles["lab"],
+        roles["manager"],
+        env={"A": "1"},
+        secret_env={"KEY": "v"},
+        volumes=[{"name": "x", "path": "/x", "mode": "ro", "version": ""}],
+        preemptible=True,
+        environment=environment,
+        exit_code=3,
+        failure_class="user",
+        finished_at=timezone.now(),
+        config={"lr": 0.1},
+        data_refs=["s3://b/k"],
+    )
+    make_attempt(full, gpus, "failed", exit_code=3, finished_at=timezone.now())
+    declared = JobSerializer.Meta.fields
+
+    for job in Job.objects.filter(pk__in=[plain.pk, full.pk]).prefetch_related("attempts__node"):
+        written = JobSerializer(job).data
+        generic = serializers.ModelSerializer.to_representation(JobSerializer(job), job)
+        assert list(written) == declared and written == generic

@@ -6,12 +6,13 @@ from django.db.models import Count, Max, Q
 from rest_framework import serializers
 
 from fleet.models import Node
-from jobs.api.costs import check_budget
+from jobs.api.costs import check_budget, has_budget_now
 from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
 from jobs.scheduler import request_pass
 from portal.models import Project, Role, VolumeMode
 
 SECRET_MASK = "********"
+DATETIME = serializers.DateTimeField()  # formats as the API's datetimes do (ISO 8601, Z for UTC)
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
@@ -159,7 +160,8 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def validate_project(self, slug: str) -> Project:
         user = self.context["request"].user
-        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).first()
+        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).annotate(has_budget=has_budget_now())
+        project = project.first()
         if project is None:
             mine = ", ".join(Project.objects.with_role(user, Role.MEMBER).values_list("slug", flat=True)) or "none"
             raise serializers.ValidationError(f"no project {slug!r} that you can submit to; your projects: {mine}")
@@ -331,6 +333,58 @@ class JobSerializer(serializers.ModelSerializer):
             "mlflow_run_id",
             "tracking_error",
         ]
+
+    def to_representation(self, job: Job) -> dict:
+        """What the declared fields give, written out (a test compares the two): building a
+        ModelSerializer's ~35 fields cost more than the rest of a submit's response."""
+        return {
+            "id": job.pk,
+            "name": job.name,
+            "project": job.project.slug,
+            "submitted_by": job.submitted_by.username,
+            "command": job.command,
+            "env": job.env,
+            "secret_env": self.get_secret_env(job),
+            "volumes": job.volumes,
+            "idempotency_key": job.idempotency_key,
+            "gpus_per_node": job.gpus_per_node,
+            "nodes": job.nodes,
+            "gpu_type": job.gpu_type,
+            "priority": job.priority,
+            "preemptible": job.preemptible,
+            "environment": job.environment.name if job.environment_id is not None else None,
+            "max_runtime_seconds": job.max_runtime_seconds,
+            "max_retries": job.max_retries,
+            "retries": job.retries,
+            "preemptions": job.preemptions,
+            "state": job.state,
+            "state_reason": job.state_reason,
+            "exit_code": job.exit_code,
+            "failure_class": job.failure_class,
+            "requeues": job.requeues,
+            "created_at": DATETIME.to_representation(job.created_at),
+            "queued_at": DATETIME.to_representation(job.queued_at),
+            "finished_at": DATETIME.to_representation(job.finished_at),
+            "attempts": self.attempts_json(job),
+            "urls": self.get_urls(job),
+            "code_version": job.code_version,
+            "config": job.config,
+            "data_refs": job.data_refs,
+            "mlflow_experiment_id": job.mlflow_experiment_id,
+            "mlflow_run_id": job.mlflow_run_id,
+            "tracking_error": job.tracking_error,
+        }
+
+    def attempts_json(self, job: Job) -> list[dict]:
+        if self.context.get("created"):  # a job just submitted has none: no query
+            return []
+        attempts = job.attempts.all()
+        if not attempts:
+            return []
+        # One list serializer per JobSerializer: a page of jobs builds the attempt fields once.
+        if not hasattr(self, "_attempts"):
+            self._attempts = AttemptSerializer(many=True, context=self.context)
+        return self._attempts.to_representation(attempts)
 
     def get_secret_env(self, job: Job) -> dict[str, str]:
         return dict.fromkeys(job.secret_env, SECRET_MASK)
