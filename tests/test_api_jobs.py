@@ -290,3 +290,30 @@ def test_the_written_out_job_json_matches_the_declared_fields(roles, gpus):
         written = JobSerializer(job).data
         generic = serializers.ModelSerializer.to_representation(JobSerializer(job), job)
         assert list(written) == declared and written == generic
+
+
+@pytest.mark.django_db(transaction=True)
+def test_node_sizes_are_remembered_outside_a_transaction_until_a_node_is_saved(django_assert_num_queries):
+    from fleet.models import Node
+    from jobs.api.capacity import forget_node_sizes, node_sizes
+
+    forget_node_sizes()
+    try:
+        make_node("a", gpus=4)
+        assert node_sizes() == [("H100", 4)]
+        with django_assert_num_queries(0):
+            assert node_sizes() == [("H100", 4)]
+        Node.objects.filter(name="a").update(gpu_count=8)  # as an agent's process would: no signal here
+        assert node_sizes() == [("H100", 4)]
+        make_node("b", gpus=8, model="B300")
+        assert sorted(node_sizes()) == [("B300", 8), ("H100", 8)]
+    finally:
+        forget_node_sizes()
+
+
+def test_node_sizes_read_inside_a_transaction_are_not_remembered(gpus, django_assert_num_queries):
+    from jobs.api.capacity import node_sizes
+
+    assert node_sizes() == [("H100", 4)]
+    with django_assert_num_queries(1):
+        node_sizes()

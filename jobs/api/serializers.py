@@ -2,10 +2,9 @@ import re
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Max, Q
 from rest_framework import serializers
 
-from fleet.models import Node
+from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget, has_budget_now
 from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
 from jobs.scheduler import request_pass
@@ -209,14 +208,11 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def check_capacity(self, attrs) -> None:
         gpus, gpu_type = attrs["gpus_per_node"], attrs.get("gpu_type", "")
-        nodes = Node.objects.all()
-        if gpu_type:
-            nodes = nodes.filter(gpu_model=gpu_type)
-        # One query for both limits: the largest node, and how many nodes fit one rank.
-        sizes = nodes.aggregate(largest=Max("gpu_count"), big_enough=Count("pk", filter=Q(gpu_count__gte=gpus)))
-        largest, big_enough = sizes["largest"] or 0, sizes["big_enough"]
+        every = node_sizes()
+        sizes = [count for model, count in every if not gpu_type or model == gpu_type]
+        largest, big_enough = max(sizes, default=0), sum(1 for count in sizes if count >= gpus)
         if gpu_type and not largest:
-            types = ", ".join(sorted(set(Node.objects.values_list("gpu_model", flat=True)))) or "none registered"
+            types = ", ".join(sorted({model for model, _ in every})) or "none registered"
             raise serializers.ValidationError({"gpu_type": f"no node has {gpu_type} GPUs; GPU types: {types}"})
         if gpus > largest:
             where = f"the largest {gpu_type} node" if gpu_type else "the largest node"
