@@ -317,3 +317,19 @@ def test_node_sizes_read_inside_a_transaction_are_not_remembered(gpus, django_as
     assert node_sizes() == [("H100", 4)]
     with django_assert_num_queries(1):
         node_sizes()
+
+
+def test_submit_fields_keep_nothing_from_one_submit_to_the_next(roles, gpus, volume):
+    from jobs.api.serializers import JobSubmitSerializer
+
+    client = api_client(roles["member"])
+    wrong = {"command": "ls", "volumes": [{"name": "imagenet", "mode": "xx"}], "env": {"1A": "x"}}
+
+    refused = submit(client, **wrong)
+    accepted = submit(client, volumes=[{"name": "imagenet"}], env={"A": "1"})
+    refused_again = submit(client, **wrong)
+
+    assert refused.status_code == 400 and refused.json() == refused_again.json()
+    assert {e["field"] for e in refused.json()["errors"]} == {"command", "volumes[0].mode", "env"}
+    assert accepted.status_code == 201 and accepted.json()["volumes"][0]["mode"] == "ro"
+    assert all(field.parent is None for field in JobSubmitSerializer._declared_fields.values())

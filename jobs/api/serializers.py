@@ -1,3 +1,4 @@
+import copy
 import re
 
 from django.conf import settings
@@ -109,6 +110,12 @@ class JobSubmitSerializer(serializers.Serializer):
     code_version = serializers.CharField(required=False, allow_blank=True, max_length=200)
     config = serializers.JSONField(required=False)
     data_refs = serializers.ListField(child=serializers.CharField(), required=False)
+
+    def get_fields(self) -> dict:
+        # DRF deep-copies every declared field, nested ones too, for each instance: a
+        # millisecond a submit. These fields keep nothing between validations (a test
+        # checks two in a row), so shallow copies to bind to this instance are enough.
+        return {name: copy.copy(field) for name, field in self._declared_fields.items()}
 
     def validate(self, attrs):
         unknown = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
