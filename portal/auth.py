@@ -2,7 +2,7 @@
 
 import copy
 import threading
-import time
+from time import monotonic
 
 from channels.db import database_sync_to_async
 from channels.middleware import BaseMiddleware
@@ -58,7 +58,7 @@ def recent_token(raw: str) -> ApiToken | None:
     seconds = settings.HANGAR_API_TOKEN_CACHE_SECONDS
     if seconds <= 0:
         return ApiToken.authenticate(raw)
-    digest, now = hash_token(raw), time.monotonic()
+    digest, now = hash_token(raw), monotonic()
     hit = _recent.get(digest)
     if hit is not None and hit[0] > now:
         token = hit[1]
