@@ -11,10 +11,13 @@ token check, validation, capacity check, insert, history row, scheduler wake-up.
 Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
 --postgres makes a fresh database of its own on the local PostgreSQL and a Redis key
 prefix of its own (HANGAR_TEST_POSTGRES_URL, HANGAR_TEST_REDIS_URL), dropped at the end.
-Django runs every synchronous view of one web process on one thread, so a process
-serves one request at a time: throughput scales with --workers (uvicorn processes,
-default: the machine's cores), up to the cores the clients leave free.
+Django's ASGI handler runs each request's synchronous code on a thread of its own, and
+one web process's threads share one interpreter lock, so a process uses about one core:
+throughput scales with --workers (uvicorn processes, default: the machine's cores), up to
+the cores PostgreSQL, the scheduler and the clients leave free.
 Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=... workers=...
+web_cpu_ms=... client_cpu_ms=... machine_cpu_ms=... (CPU per submit; the machine's counts everything
+running on it, PostgreSQL and other people's work included).
 """
 
 import argparse
