@@ -84,7 +84,7 @@ def forget_tokens(**kwargs) -> None:
 
 def forget_tokens_on_revoke(sender, instance: AuditEvent, created: bool = False, **kwargs) -> None:
     # ApiToken.revoke is a conditional update (no save signal); its audit row is the signal.
-    if instance.action.startswith("token."):
+    if instance.action == "token.revoke":
         forget_tokens()
 
 
