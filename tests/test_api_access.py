@@ -173,3 +173,38 @@ def test_the_last_admin_stays(roles):
 def test_a_viewer_gets_403_before_any_validation(roles):
     response = api_client(roles["viewer"]).post("/api/v1/projects/lab/members/", {"bogus": 1}, format="json")
     assert response.status_code == 403
+
+
+def test_a_token_is_looked_up_once_then_remembered(roles, monkeypatch):
+    client = api_client(roles["member"])
+    looked_up = []
+    authenticate = ApiToken.authenticate
+    monkeypatch.setattr(ApiToken, "authenticate", lambda raw: looked_up.append(raw) or authenticate(raw))
+
+    assert [client.get("/api/v1/projects/").status_code for _ in range(3)] == [200, 200, 200]
+    assert len(looked_up) == 1
+
+
+def test_remembered_tokens_are_forgotten_when_revoked_on_the_page_or_their_user_is_deactivated(client, roles):
+    token, raw = ApiToken.issue(roles["member"], "laptop")
+    agent = api_client()
+    agent.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert agent.get("/api/v1/projects/").status_code == 200
+    client.force_login(roles["member"])
+    client.post(f"/tokens/{token.pk}/revoke/")
+    assert agent.get("/api/v1/projects/").status_code == 401
+
+    other = api_client(roles["viewer"])
+    assert other.get("/api/v1/projects/").status_code == 200
+    roles["viewer"].is_active = False
+    roles["viewer"].save()
+    assert other.get("/api/v1/projects/").status_code == 401
+
+
+def test_each_request_gets_its_own_copy_of_a_remembered_user(roles):
+    from portal.auth import recent_token
+
+    _, raw = ApiToken.issue(roles["member"], "agent")
+    first, second = recent_token(raw), recent_token(raw)
+    first.user.marked = True
+    assert first.user == second.user and not hasattr(second.user, "marked")

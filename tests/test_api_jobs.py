@@ -255,3 +255,81 @@ def test_the_submit_page_takes_secrets_and_never_shows_them_back(client, roles, 
     assert "s3cret-value" not in refused.content.decode()
     assert Job.objects.get().secret_env == {"API_KEY": "s3cret-value"}
     assert "s3cret-value" not in created.content.decode() and "API_KEY=********" in created.content.decode()
+
+
+# --- The response's shape ---------------------------------------------------------
+
+
+def test_the_written_out_job_json_matches_the_declared_fields(roles, gpus):
+    from django.utils import timezone
+    from rest_framework import serializers
+
+    from jobs.api.serializers import JobSerializer
+    from jobs.models import Environment
+
+    environment = Environment.objects.create(name="torch", everywhere=True)
+    plain = make_job(roles["lab"], roles["member"])
+    full = make_job(
+        roles["lab"],
+        roles["manager"],
+        env={"A": "1"},
+        secret_env={"KEY": "v"},
+        volumes=[{"name": "x", "path": "/x", "mode": "ro", "version": ""}],
+        preemptible=True,
+        environment=environment,
+        exit_code=3,
+        failure_class="user",
+        finished_at=timezone.now(),
+        config={"lr": 0.1},
+        data_refs=["s3://b/k"],
+    )
+    make_attempt(full, gpus, "failed", exit_code=3, finished_at=timezone.now())
+    declared = JobSerializer.Meta.fields
+
+    for job in Job.objects.filter(pk__in=[plain.pk, full.pk]).prefetch_related("attempts__node"):
+        written = JobSerializer(job).data
+        generic = serializers.ModelSerializer.to_representation(JobSerializer(job), job)
+        assert list(written) == declared and written == generic
+
+
+@pytest.mark.django_db(transaction=True)
+def test_node_sizes_are_remembered_outside_a_transaction_until_a_node_is_saved(django_assert_num_queries):
+    from fleet.models import Node
+    from jobs.api.capacity import forget_node_sizes, node_sizes
+
+    forget_node_sizes()
+    try:
+        make_node("a", gpus=4)
+        assert node_sizes() == [("H100", 4)]
+        with django_assert_num_queries(0):
+            assert node_sizes() == [("H100", 4)]
+        Node.objects.filter(name="a").update(gpu_count=8)  # as an agent's process would: no signal here
+        assert node_sizes() == [("H100", 4)]
+        make_node("b", gpus=8, model="B300")
+        assert sorted(node_sizes()) == [("B300", 8), ("H100", 8)]
+    finally:
+        forget_node_sizes()
+
+
+def test_node_sizes_read_inside_a_transaction_are_not_remembered(gpus, django_assert_num_queries):
+    from jobs.api.capacity import node_sizes
+
+    assert node_sizes() == [("H100", 4)]
+    with django_assert_num_queries(1):
+        node_sizes()
+
+
+def test_submit_fields_keep_nothing_from_one_submit_to_the_next(roles, gpus, volume):
+    from jobs.api.serializers import JobSubmitSerializer
+
+    client = api_client(roles["member"])
+    wrong = {"command": "ls", "volumes": [{"name": "imagenet", "mode": "xx"}], "env": {"1A": "x"}}
+
+    refused = submit(client, **wrong)
+    accepted = submit(client, volumes=[{"name": "imagenet"}], env={"A": "1"})
+    refused_again = submit(client, **wrong)
+
+    assert refused.status_code == 400 and refused.json() == refused_again.json()
+    assert {e["field"] for e in refused.json()["errors"]} == {"command", "volumes[0].mode", "env"}
+    assert accepted.status_code == 201 and accepted.json()["volumes"][0]["mode"] == "ro"
+    assert all(field.parent is None for field in JobSubmitSerializer._declared_fields.values())

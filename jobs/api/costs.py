@@ -1,5 +1,6 @@
 """The cost API: `/api/v1/costs/summary/`, `/api/v1/costs/jobs/`, and the budget check at submit."""
 
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -27,9 +28,18 @@ def budget_warning(project, status=None) -> str | None:
     return None
 
 
+def has_budget_now() -> Exists:
+    """Annotates `has_budget`: whether a budget (`Budget.for_month`'s) applies this month, so a
+    submit to a project without one reads the project and that fact in one query."""
+    month = timezone.now().date().replace(day=1)
+    return Exists(Budget.objects.filter(project=OuterRef("pk")).filter(Q(month=month) | Q(month=None)))
+
+
 def check_budget(project) -> str | None:
     """Refuse a submission to a project whose hard budget for this month is spent; else
     the warning to give the submitter, if any (one read of the budget serves both)."""
+    if getattr(project, "has_budget", None) is False:
+        return None
     status = budget_status(project)
     if status is not None and status.refuses:
         raise serializers.ValidationError(

@@ -1,17 +1,18 @@
+import copy
 import re
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Max, Q
 from rest_framework import serializers
 
-from fleet.models import Node
-from jobs.api.costs import check_budget
+from jobs.api.capacity import node_sizes
+from jobs.api.costs import check_budget, has_budget_now
 from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
 from jobs.scheduler import request_pass
 from portal.models import Project, Role, VolumeMode
 
 SECRET_MASK = "********"
+DATETIME = serializers.DateTimeField()  # formats as the API's datetimes do (ISO 8601, Z for UTC)
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
@@ -110,6 +111,12 @@ class JobSubmitSerializer(serializers.Serializer):
     config = serializers.JSONField(required=False)
     data_refs = serializers.ListField(child=serializers.CharField(), required=False)
 
+    def get_fields(self) -> dict:
+        # DRF deep-copies every declared field, nested ones too, for each instance: a
+        # millisecond a submit. These fields keep nothing between validations (a test
+        # checks two in a row), so shallow copies to bind to this instance are enough.
+        return {name: copy.copy(field) for name, field in self._declared_fields.items()}
+
     def validate(self, attrs):
         unknown = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
         if unknown:
@@ -159,7 +166,8 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def validate_project(self, slug: str) -> Project:
         user = self.context["request"].user
-        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).first()
+        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).annotate(has_budget=has_budget_now())
+        project = project.first()
         if project is None:
             mine = ", ".join(Project.objects.with_role(user, Role.MEMBER).values_list("slug", flat=True)) or "none"
             raise serializers.ValidationError(f"no project {slug!r} that you can submit to; your projects: {mine}")
@@ -207,14 +215,11 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def check_capacity(self, attrs) -> None:
         gpus, gpu_type = attrs["gpus_per_node"], attrs.get("gpu_type", "")
-        nodes = Node.objects.all()
-        if gpu_type:
-            nodes = nodes.filter(gpu_model=gpu_type)
-        # One query for both limits: the largest node, and how many nodes fit one rank.
-        sizes = nodes.aggregate(largest=Max("gpu_count"), big_enough=Count("pk", filter=Q(gpu_count__gte=gpus)))
-        largest, big_enough = sizes["largest"] or 0, sizes["big_enough"]
+        every = node_sizes()
+        sizes = [count for model, count in every if not gpu_type or model == gpu_type]
+        largest, big_enough = max(sizes, default=0), sum(1 for count in sizes if count >= gpus)
         if gpu_type and not largest:
-            types = ", ".join(sorted(set(Node.objects.values_list("gpu_model", flat=True)))) or "none registered"
+            types = ", ".join(sorted({model for model, _ in every})) or "none registered"
             raise serializers.ValidationError({"gpu_type": f"no node has {gpu_type} GPUs; GPU types: {types}"})
         if gpus > largest:
             where = f"the largest {gpu_type} node" if gpu_type else "the largest node"
@@ -331,6 +336,58 @@ class JobSerializer(serializers.ModelSerializer):
             "mlflow_run_id",
             "tracking_error",
         ]
+
+    def to_representation(self, job: Job) -> dict:
+        """What the declared fields give, written out (a test compares the two): building a
+        ModelSerializer's ~35 fields cost more than the rest of a submit's response."""
+        return {
+            "id": job.pk,
+            "name": job.name,
+            "project": job.project.slug,
+            "submitted_by": job.submitted_by.username,
+            "command": job.command,
+            "env": job.env,
+            "secret_env": self.get_secret_env(job),
+            "volumes": job.volumes,
+            "idempotency_key": job.idempotency_key,
+            "gpus_per_node": job.gpus_per_node,
+            "nodes": job.nodes,
+            "gpu_type": job.gpu_type,
+            "priority": job.priority,
+            "preemptible": job.preemptible,
+            "environment": job.environment.name if job.environment_id is not None else None,
+            "max_runtime_seconds": job.max_runtime_seconds,
+            "max_retries": job.max_retries,
+            "retries": job.retries,
+            "preemptions": job.preemptions,
+            "state": job.state,
+            "state_reason": job.state_reason,
+            "exit_code": job.exit_code,
+            "failure_class": job.failure_class,
+            "requeues": job.requeues,
+            "created_at": DATETIME.to_representation(job.created_at),
+            "queued_at": DATETIME.to_representation(job.queued_at),
+            "finished_at": DATETIME.to_representation(job.finished_at),
+            "attempts": self.attempts_json(job),
+            "urls": self.get_urls(job),
+            "code_version": job.code_version,
+            "config": job.config,
+            "data_refs": job.data_refs,
+            "mlflow_experiment_id": job.mlflow_experiment_id,
+            "mlflow_run_id": job.mlflow_run_id,
+            "tracking_error": job.tracking_error,
+        }
+
+    def attempts_json(self, job: Job) -> list[dict]:
+        if self.context.get("created"):  # a job just submitted has none: no query
+            return []
+        attempts = job.attempts.all()
+        if not attempts:
+            return []
+        # One list serializer per JobSerializer: a page of jobs builds the attempt fields once.
+        if not hasattr(self, "_attempts"):
+            self._attempts = AttemptSerializer(many=True, context=self.context)
+        return self._attempts.to_representation(attempts)
 
     def get_secret_env(self, job: Job) -> dict[str, str]:
         return dict.fromkeys(job.secret_env, SECRET_MASK)

@@ -69,8 +69,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             if key and (first := self.replay(key, data)) is not None:
                 return first
             raise
-        job._prefetched_objects_cache = {"attempts": Attempt.objects.none()}  # a new job has none: no query
-        body = JobSerializer(job).data
+        body = JobSerializer(job, context={"created": True}).data
         body["warnings"] = submit.warnings
         return Response(body, status=status.HTTP_201_CREATED)
 
@@ -104,7 +103,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         spec = reproduce.clone_data(job)
         submit = JobSubmitSerializer(data=spec, context={"request": request})
         submit.is_valid(raise_exception=True)
-        return Response(JobSerializer(submit.save()).data, status=status.HTTP_201_CREATED)
+        return Response(JobSerializer(submit.save(), context={"created": True}).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(responses=AttemptSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=None)
