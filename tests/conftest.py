@@ -60,7 +60,14 @@ def fresh_cache():
     # which the next test's rolled-back database hands out again.
     from django.core.cache import cache
 
+    from jobs.api.capacity import forget_node_sizes
+    from portal.auth import forget_tokens
+
     cache.clear()
+    # Likewise the web process's memory of checked tokens and of node sizes: a rolled-back
+    # database sends no signal that would make it forget them.
+    forget_tokens()
+    forget_node_sizes()
 
 
 @pytest.fixture(autouse=True)
