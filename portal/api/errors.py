@@ -9,14 +9,14 @@ lists every problem with the path of the field it concerns.
 import sys
 
 from django.core.exceptions import PermissionDenied
-from django.db import IntegrityError, InterfaceError, OperationalError
+from django.db import IntegrityError
 from django.http import Http404, JsonResponse
 from django.views.defaults import page_not_found, server_error
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from portal.middleware import RETRY_AFTER_SECONDS, database_unavailable
+from portal.middleware import DATABASE_DOWN, database_unavailable
 
 
 def flatten(detail, path: str = "") -> list[dict]:
@@ -62,10 +62,8 @@ def exception_handler(exc, context):
         # Two writes raced past a uniqueness check (or a check is missing): say so, never a 500.
         message = "conflicts with an existing record (a name or key already in use); change it and retry"
         return Response(error_body("conflict", [{"field": "", "message": message}]), status=status.HTTP_409_CONFLICT)
-    if isinstance(exc, (OperationalError, InterfaceError)):
-        body = error_body("unavailable", [{"field": "", "message": "the database is unavailable; retry shortly"}])
-        retry = str(RETRY_AFTER_SECONDS)
-        return Response(body, status=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": retry})
+    if isinstance(exc, DATABASE_DOWN):
+        return database_unavailable(context["request"])
     if isinstance(exc, Http404):
         exc = exceptions.NotFound("not found, or not in a project you belong to")
     elif isinstance(exc, PermissionDenied):
@@ -102,7 +100,7 @@ def not_found(request, exception=None):
 def crashed(request):
     # Django calls this inside its except block: a database that went away while a
     # middleware read the session is an outage to retry, not a crash.
-    if isinstance(sys.exc_info()[1], (OperationalError, InterfaceError)):
+    if isinstance(sys.exc_info()[1], DATABASE_DOWN):
         return database_unavailable(request)
     if request.path.startswith("/api/"):
         errors = [{"field": "", "message": "internal error; the server log has the details, retry or report it"}]
