@@ -642,9 +642,13 @@ class Budget(models.Model):
         return f"{self.project.slug} {self.month:%Y-%m}" if self.month else f"{self.project.slug} monthly"
 
     @classmethod
+    def applying(cls, day) -> models.QuerySet:
+        """Budgets that apply in the month of `day`: that month's own, and every-month ones."""
+        return cls.objects.filter(Q(month=day.replace(day=1)) | Q(month=None))
+
+    @classmethod
     def for_month(cls, project_id: int, day) -> "Budget | None":
-        month = day.replace(day=1)
-        budgets = cls.objects.filter(project_id=project_id).filter(Q(month=month) | Q(month=None))
+        budgets = cls.applying(day).filter(project_id=project_id)
         return budgets.select_related("project").order_by(models.F("month").desc(nulls_last=True)).first()
 
     def status(self, day):

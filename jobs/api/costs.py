@@ -1,6 +1,6 @@
 """The cost API: `/api/v1/costs/summary/`, `/api/v1/costs/jobs/`, and the budget check at submit."""
 
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -29,10 +29,9 @@ def budget_warning(project, status=None) -> str | None:
 
 
 def has_budget_now() -> Exists:
-    """Annotates `has_budget`: whether a budget (`Budget.for_month`'s) applies this month, so a
-    submit to a project without one reads the project and that fact in one query."""
-    month = timezone.now().date().replace(day=1)
-    return Exists(Budget.objects.filter(project=OuterRef("pk")).filter(Q(month=month) | Q(month=None)))
+    """Annotates `has_budget`: whether a budget applies this month, so a submit to a project
+    without one reads the project and that fact in one query."""
+    return Exists(Budget.applying(timezone.now().date()).filter(project=OuterRef("pk")))
 
 
 def check_budget(project) -> str | None:
