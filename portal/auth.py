@@ -1,23 +1,19 @@
 """Bearer-token authentication, shared by the REST API and the websockets."""
 
-import copy
-import threading
-from time import monotonic
-
 from channels.db import database_sync_to_async
 from channels.middleware import BaseMiddleware
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.core.cache import cache
 from django.db.models.signals import post_delete, post_save
 from rest_framework import authentication, exceptions, permissions
 
 from portal.models import ApiToken, AuditEvent, hash_token
 
-# digest -> (monotonic expiry, token with its user): an API client sends the same token
-# request after request, and looking it up was one query of every request.
-_recent: dict[str, tuple[float, ApiToken]] = {}
-_recent_lock = threading.Lock()
-RECENT_TOKENS_MAX = 10_000
+# An API client sends the same token request after request, and looking it up was one
+# query of every request: checked tokens are kept in the process's local-memory cache,
+# under a generation that forget_tokens() moves on (that cache cannot delete by prefix).
+_generation = 0
 
 
 def token_from_header(value: str) -> str | None:
@@ -54,32 +50,21 @@ def recent_token(raw: str) -> ApiToken | None:
     So a revoked token, a deactivated user or a changed token limit takes effect at once in
     this process (the saves and the revocation's audit row below forget every token) and
     within that many seconds in the other web processes. Unknown tokens are never remembered.
+    The local-memory cache hands every request its own unpickled copy of the token and user.
     """
     seconds = settings.HANGAR_API_TOKEN_CACHE_SECONDS
     if seconds <= 0:
         return ApiToken.authenticate(raw)
-    digest, now = hash_token(raw), monotonic()
-    hit = _recent.get(digest)
-    if hit is not None and hit[0] > now:
-        token = hit[1]
-    else:
-        token = ApiToken.authenticate(raw)
-        with _recent_lock:
-            if token is None:
-                _recent.pop(digest, None)
-                return None
-            if len(_recent) >= RECENT_TOKENS_MAX:
-                _recent.clear()
-            _recent[digest] = (now + seconds, token)
-    # Each request gets its own copies: nothing one request sets on its user reaches the next.
-    mine = copy.copy(token)
-    mine.user = copy.copy(token.user)
-    return mine
+    key = f"api-token:{_generation}:{hash_token(raw)}"
+    token = cache.get(key)
+    if token is None and (token := ApiToken.authenticate(raw)) is not None:
+        cache.set(key, token, seconds)
+    return token
 
 
 def forget_tokens(**kwargs) -> None:
-    with _recent_lock:
-        _recent.clear()
+    global _generation
+    _generation += 1
 
 
 def forget_tokens_on_revoke(sender, instance: AuditEvent, created: bool = False, **kwargs) -> None:

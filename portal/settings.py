@@ -130,6 +130,10 @@ TEMPLATES = [
     },
 ]
 
+# Each process's own memory: checked API tokens (portal.auth), node sizes for the submit
+# check (jobs.api.capacity) and, without Redis, the API's rate-limit counts.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "OPTIONS": {"MAX_ENTRIES": 10_000}}}
+
 DATABASE_URL = env_str("DATABASE_URL")
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL)}

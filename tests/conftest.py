@@ -58,16 +58,11 @@ def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None
 def fresh_cache():
     # Rate-limit counters live in the cache and are keyed by token or user id,
     # which the next test's rolled-back database hands out again.
+    # So do the remembered API tokens and node sizes (a rolled-back database sends no signal
+    # that would make them forgotten).
     from django.core.cache import cache
 
-    from jobs.api.capacity import forget_node_sizes
-    from portal.auth import forget_tokens
-
     cache.clear()
-    # Likewise the web process's memory of checked tokens and of node sizes: a rolled-back
-    # database sends no signal that would make it forget them.
-    forget_tokens()
-    forget_node_sizes()
 
 
 @pytest.fixture(autouse=True)

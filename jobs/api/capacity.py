@@ -1,24 +1,21 @@
 """The fleet's node sizes as the submit check reads them, remembered for a few seconds.
 
 Every submit compares its gpus_per_node and nodes with the registered nodes; nodes change
-rarely, so one web process reads their sizes once per NODE_SIZES_SECONDS, not once a submit.
-A node saved or deleted in this process counts at once; one registered or resized by an
-agent within NODE_SIZES_SECONDS. Harmless either way: a job refused by a stale size may be
-resubmitted a moment later, and one accepted for a node that just went waits in the queue.
+rarely, so one web process reads their sizes once per NODE_SIZES_SECONDS (its local-memory
+cache), not once a submit. A node saved or deleted in this process counts at once; one
+registered or resized by an agent within NODE_SIZES_SECONDS. Harmless either way: a job
+refused by a stale size may be resubmitted a moment later, and one accepted for a node that
+just went waits in the queue.
 """
 
-import threading
-import time
-
+from django.core.cache import cache
 from django.db import connection
 from django.db.models.signals import post_delete, post_save
 
 from fleet.models import Node
 
 NODE_SIZES_SECONDS = 5.0
-
-_sizes: tuple[float, list[tuple[str, int]]] | None = None  # (monotonic expiry, sizes)
-_lock = threading.Lock()
+NODE_SIZES = "node-sizes"
 
 
 def node_sizes() -> list[tuple[str, int]]:
@@ -26,21 +23,17 @@ def node_sizes() -> list[tuple[str, int]]:
 
     Read afresh inside a transaction: what it reads there (its own writes) may be rolled
     back, so it is not remembered."""
-    global _sizes
-    now, remembered = time.monotonic(), _sizes
-    if remembered is not None and remembered[0] > now and not connection.in_atomic_block:
-        return remembered[1]
-    sizes = list(Node.objects.order_by().values_list("gpu_model", "gpu_count"))
-    if not connection.in_atomic_block:
-        with _lock:
-            _sizes = (now + NODE_SIZES_SECONDS, sizes)
-    return sizes
+    if connection.in_atomic_block:
+        return read_node_sizes()
+    return cache.get_or_set(NODE_SIZES, read_node_sizes, NODE_SIZES_SECONDS)
+
+
+def read_node_sizes() -> list[tuple[str, int]]:
+    return list(Node.objects.order_by().values_list("gpu_model", "gpu_count"))
 
 
 def forget_node_sizes(**kwargs) -> None:
-    global _sizes
-    with _lock:
-        _sizes = None
+    cache.delete(NODE_SIZES)
 
 
 post_save.connect(forget_node_sizes, sender=Node, dispatch_uid="hangar.forget_node_sizes.saved")
