@@ -7,6 +7,7 @@ IMMEDIATE transaction is the write lock), reads what live attempts hold only
 after taking the lock, and a job leaves `queued` by a conditional update.
 """
 
+import atexit
 import logging
 import os
 import threading
@@ -56,9 +57,6 @@ WAKEUP_COALESCE_SECONDS = 0.05
 WAKEUP_CLOCK_MARGIN = 0.5
 
 last_pass_started = 0.0  # wall clock: when the last completed pass of this process began
-_wakeup_lock = threading.Lock()
-_last_wakeup = float("-inf")
-_trailing_wakeup: threading.Timer | None = None
 
 
 # --- loading plain data -------------------------------------------------------
@@ -281,28 +279,48 @@ def request_pass() -> None:
 
 
 def send_pass_request() -> None:
-    """Send a wake-up now, or, if this process sent one less than WAKEUP_COALESCE_SECONDS
-    ago, one trailing wake-up at the end of that window: a burst of submits costs a few
-    passes, not one each, and every commit is still followed by a wake-up."""
-    global _last_wakeup, _trailing_wakeup
-    with _wakeup_lock:
-        now = time.monotonic()
-        wait = _last_wakeup + WAKEUP_COALESCE_SECONDS - now
-        if wait > 0:
-            if _trailing_wakeup is None:
-                _trailing_wakeup = threading.Timer(wait, _send_trailing_wakeup)
-                _trailing_wakeup.daemon = True
-                _trailing_wakeup.start()
-            return
-        _last_wakeup = now
-    _publish_wakeup()
+    """Flag that a wake-up is wanted; this process's waker thread sends it."""
+    _waker.request()
 
 
-def _send_trailing_wakeup() -> None:
-    global _last_wakeup, _trailing_wakeup
-    with _wakeup_lock:
-        _trailing_wakeup, _last_wakeup = None, time.monotonic()
-    _publish_wakeup()
+class Waker:
+    """Sends this process's wake-ups to the scheduler from one thread of its own, so a
+    request never waits on the broker (and the Celery result backend, one per thread,
+    is made once). After each send it rests WAKEUP_COALESCE_SECONDS: a burst of submits
+    costs a few passes, not one each, and a flag raised after a send began is answered
+    by the next send, so every commit is still followed by a wake-up."""
+
+    def __init__(self):
+        self.wanted = threading.Event()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        self.wanted.set()
+        if self.thread is None or not self.thread.is_alive():
+            with self.lock:
+                if self.thread is None or not self.thread.is_alive():
+                    self.thread = threading.Thread(target=self.run, name="scheduler-wakeup", daemon=True)
+                    self.thread.start()
+
+    def run(self) -> None:
+        while True:
+            self.wanted.wait()
+            self.wanted.clear()
+            _publish_wakeup()
+            time.sleep(WAKEUP_COALESCE_SECONDS)
+
+    def flush(self) -> None:
+        """At exit: send a wake-up still wanted (a short command that submitted work)."""
+        if self.wanted.is_set():
+            self.wanted.clear()
+            _publish_wakeup()
+
+
+_waker = Waker()
+# A forked child (a worker pool) starts with no waker thread and fresh locks.
+os.register_at_fork(after_in_child=_waker.__init__)
+atexit.register(lambda: _waker.flush())
 
 
 def _publish_wakeup() -> None:
