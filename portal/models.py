@@ -27,20 +27,25 @@ class ProjectQuerySet(models.QuerySet):
         its user (`token_project_id`, set by the token authentication), so every
         page, endpoint and websocket scoped here is limited with it.
         """
-        if user is None or not user.is_authenticated:
-            return self.none()
-        projects = self if user.is_superuser else self.filter(memberships__user=user).distinct()
-        if limit := getattr(user, "token_project_id", None):
-            projects = projects.filter(pk=limit)
-        return projects
+        return self.member_of(user)
 
     def with_role(self, user, role: str) -> "ProjectQuerySet":
         """Projects where the user holds `role` or a higher one."""
-        projects = self.visible_to(user)
-        if user is None or not user.is_authenticated or user.is_superuser:
-            return projects
-        allowed = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
-        return projects.filter(memberships__user=user, memberships__role__in=allowed).distinct()
+        return self.member_of(user, roles=[r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]])
+
+    def member_of(self, user, roles: list[str] | None = None) -> "ProjectQuerySet":
+        """Projects the user is a member of (with one of `roles`, when given); every project
+        for a superuser. One join and no DISTINCT: a user has at most one membership in
+        a project (one_membership_per_user), so each project comes once."""
+        if user is None or not user.is_authenticated:
+            return self.none()
+        projects = self
+        if not user.is_superuser:
+            where = {"memberships__user": user, **({"memberships__role__in": roles} if roles else {})}
+            projects = self.filter(**where)
+        if limit := getattr(user, "token_project_id", None):
+            projects = projects.filter(pk=limit)
+        return projects
 
     def with_role_of(self, user) -> "ProjectQuerySet":
         """Annotate `my_role`: the user's role in each project (admin for superusers), in the same query."""
