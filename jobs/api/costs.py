@@ -1,6 +1,8 @@
 """The cost API: `/api/v1/costs/summary/`, `/api/v1/costs/jobs/`, and the budget check at submit."""
 
-from django.db.models import Exists, OuterRef
+from django.core.cache import cache
+from django.db import connection
+from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -28,16 +30,41 @@ def budget_warning(project, status=None) -> str | None:
     return None
 
 
-def has_budget_now() -> Exists:
-    """Annotates `has_budget`: whether a budget applies this month, so a submit to a project
-    without one reads the project and that fact in one query."""
-    return Exists(Budget.applying(timezone.now().date()).filter(project=OuterRef("pk")))
+BUDGETED_SECONDS = 5.0
+BUDGETED = "budgeted-projects"
+
+
+def budgeted_projects() -> frozenset[int]:
+    """Ids of the projects with a budget this month, remembered for BUDGETED_SECONDS in the
+    process's local-memory cache: a submit to a project without one (most) reads no budget.
+    A budget saved or deleted in this process counts at once; one set through another web
+    process within BUDGETED_SECONDS. Read afresh inside a transaction, which may roll back."""
+    month = timezone.now().date().replace(day=1)
+    if connection.in_atomic_block:
+        return read_budgeted_projects(month)
+    remembered = cache.get(BUDGETED)
+    if remembered is None or remembered[0] != month:
+        remembered = (month, read_budgeted_projects(month))
+        cache.set(BUDGETED, remembered, BUDGETED_SECONDS)
+    return remembered[1]
+
+
+def read_budgeted_projects(month) -> frozenset[int]:
+    return frozenset(Budget.applying(month).values_list("project_id", flat=True))
+
+
+def forget_budgeted_projects(**kwargs) -> None:
+    cache.delete(BUDGETED)
+
+
+post_save.connect(forget_budgeted_projects, sender=Budget, dispatch_uid="hangar.forget_budgeted.saved")
+post_delete.connect(forget_budgeted_projects, sender=Budget, dispatch_uid="hangar.forget_budgeted.deleted")
 
 
 def check_budget(project) -> str | None:
     """Refuse a submission to a project whose hard budget for this month is spent; else
     the warning to give the submitter, if any (one read of the budget serves both)."""
-    if getattr(project, "has_budget", None) is False:
+    if project.pk not in budgeted_projects():
         return None
     status = budget_status(project)
     if status is not None and status.refuses:

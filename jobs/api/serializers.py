@@ -6,7 +6,7 @@ from django.db import transaction
 from rest_framework import serializers
 
 from jobs.api.capacity import node_sizes
-from jobs.api.costs import check_budget, has_budget_now
+from jobs.api.costs import check_budget
 from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
 from jobs.scheduler import request_pass
 from portal.models import Project, Role, VolumeMode
@@ -166,8 +166,7 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def validate_project(self, slug: str) -> Project:
         user = self.context["request"].user
-        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).annotate(has_budget=has_budget_now())
-        project = project.first()
+        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).first()
         if project is None:
             mine = ", ".join(Project.objects.with_role(user, Role.MEMBER).values_list("slug", flat=True)) or "none"
             raise serializers.ValidationError(f"no project {slug!r} that you can submit to; your projects: {mine}")
