@@ -2,20 +2,21 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+from django.core.wsgi import get_wsgi_application  # noqa: E402
 
-django_app = get_asgi_application()
+django_app = get_wsgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import OriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
-from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.contrib.staticfiles.handlers import StaticFilesHandler  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from fleet.consumers import FleetConsumer  # noqa: E402
 from jobs.consumers import JobLogConsumer  # noqa: E402
 from portal.auth import WebsocketTokenMiddleware  # noqa: E402
+from portal.sync_http import SyncHttpApp  # noqa: E402
 
 
 class BrowserOriginValidator(OriginValidator):
@@ -33,8 +34,9 @@ websocket_urlpatterns = [
 
 application = ProtocolTypeRouter(
     {
+        # Every view is synchronous: requests run whole on a pool thread (portal.sync_http).
         # Static files are served by the project itself: the UI works offline, no CDN.
-        "http": ASGIStaticFilesHandler(django_app),
+        "http": SyncHttpApp(StaticFilesHandler(django_app), settings.HANGAR_WEB_THREADS),
         "websocket": BrowserOriginValidator(
             AuthMiddlewareStack(WebsocketTokenMiddleware(URLRouter(websocket_urlpatterns))), settings.ALLOWED_HOSTS
         ),

@@ -235,8 +235,11 @@ SPECTACULAR_SETTINGS = {
 # and within this many seconds by the others. 0: look every token up on every request.
 HANGAR_API_TOKEN_CACHE_SECONDS = env_float("HANGAR_API_TOKEN_CACHE_SECONDS", 5.0)
 
-# Web server processes `manage.py up` starts (uvicorn --workers).
+# Web server processes `manage.py up` starts (uvicorn, one listening socket each: portal.webserver).
 HANGAR_WEB_WORKERS = env_int("HANGAR_WEB_WORKERS", 1, minimum=1)
+# Threads per web process that run HTTP requests (portal.sync_http); requests beyond
+# them wait their turn. At most the database pool's size: more would wait for a connection.
+HANGAR_WEB_THREADS = env_int("HANGAR_WEB_THREADS", 8, minimum=1)
 
 # --- Production (HTTPS) ------------------------------------------------------
 # Behind HTTPS set HANGAR_HTTPS=1: secure cookies, HSTS and a redirect to https,
