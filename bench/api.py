@@ -11,9 +11,9 @@ token check, validation, capacity check, insert, history row, scheduler wake-up.
 Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
 --postgres makes a fresh database of its own on the local PostgreSQL and a Redis key
 prefix of its own (HANGAR_TEST_POSTGRES_URL, HANGAR_TEST_REDIS_URL), dropped at the end.
-Django's ASGI handler runs each request's synchronous code on a thread of its own, and
-one web process's threads share one interpreter lock, so a process uses about one core:
-throughput scales with --workers (uvicorn processes, default: the machine's cores), up to
+A web process runs requests on a pool of threads (portal.sync_http) that share one
+interpreter lock, so a process uses about one core:
+throughput scales with --workers (web processes, default: the machine's cores), up to
 the cores PostgreSQL, the scheduler and the clients leave free.
 Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=... workers=...
 web_cpu_ms=... client_cpu_ms=... machine_cpu_ms=... (CPU per submit; the machine's counts everything
@@ -69,14 +69,15 @@ def machine_busy_seconds() -> float:
 
 
 def web_processes(root: int) -> list[int]:
-    """The uvicorn process under `manage.py up`, and its workers."""
+    """The web server processes under `manage.py up` (portal.webserver)."""
+    found = []
     for pid in descendants(root):
         try:
-            if b"uvicorn" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return descendants(pid)
+            if b"portal.webserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.extend(descendants(pid))
         except OSError:
             continue
-    return []
+    return found
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -84,31 +85,33 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-async def client(url: str, token: str, until: float, latencies: list[float], errors: list[int], index: int) -> None:
+class Client:
     """One client: a keep-alive HTTP/1.1 connection, one submit after the other.
 
     Plain asyncio streams rather than an HTTP library: the clients share the machine's
     cores with the server, and httpx cost ~3.7 ms of CPU per request here, which the
     server's figures would otherwise pay for."""
-    host, port = urlsplit(url).hostname, urlsplit(url).port
-    head = f"POST /api/v1/jobs/ HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
-    head += "Content-Type: application/json\r\nContent-Length: "
-    connection, n = None, 0
-    while time.monotonic() < until:
-        n += 1
-        body = json.dumps({"project": "default", "command": ["true"], "name": f"bench-{index}-{n}"}).encode()
-        started = time.perf_counter()
+
+    def __init__(self, url: str, token: str, index: int):
+        self.host, self.port, self.index, self.n = urlsplit(url).hostname, urlsplit(url).port, index, 0
+        self.head = f"POST /api/v1/jobs/ HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Bearer {token}\r\n"
+        self.head += "Content-Type: application/json\r\nContent-Length: "
+        self.connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def submit(self) -> bool:
+        """One job submitted (201), or False (an error; the connection is opened anew)."""
+        self.n += 1
+        body = json.dumps({"project": "default", "command": ["true"], "name": f"bench-{self.index}-{self.n}"})
         try:
-            connection = connection or await asyncio.open_connection(host, port)
-            status = await post(connection, f"{head}{len(body)}\r\n\r\n".encode() + body)
+            self.connection = self.connection or await asyncio.open_connection(self.host, self.port)
+            status = await post(self.connection, f"{self.head}{len(body)}\r\n\r\n".encode() + body.encode())
         except (OSError, asyncio.IncompleteReadError, ValueError):
-            status, connection = None, None
-        if status == 201:
-            latencies.append((time.perf_counter() - started) * 1000)
-        else:
-            errors.append(1)
-    if connection:
-        connection[1].close()
+            status, self.connection = None, None
+        return status == 201
+
+    def close(self) -> None:
+        if self.connection:
+            self.connection[1].close()
 
 
 async def post(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes) -> int:
@@ -122,21 +125,56 @@ async def post(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], re
     return int(lines[0].split(" ", 2)[1])
 
 
-async def load(url: str, tokens: list[str], seconds: float) -> tuple[list[float], int, float]:
+async def flat_out(client: Client, until: float, latencies: list[float], errors: list[int]) -> None:
+    """The next submit as soon as the last one is answered: the most the server does."""
+    while time.monotonic() < until:
+        started = time.monotonic()
+        ok = await client.submit()
+        (latencies if ok else errors).append((time.monotonic() - started) * 1000)
+
+
+async def paced(client: Client, due: float, interval: float, until: float, latencies, errors) -> None:
+    """One submit every `interval` seconds from `due` on. Latency counts from when a submit
+    was due, not when it went: a client still waiting on a slow answer sends late, and that
+    lateness is part of the latency (no coordinated omission)."""
+    while due < until:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        ok = await client.submit()
+        (latencies if ok else errors).append((time.monotonic() - due) * 1000)
+        due += interval
+
+
+async def load(url: str, tokens: list[str], seconds: float, rate: float = 0) -> tuple[list[float], int, float]:
+    """Every token's client submitting for `seconds`: flat out, or together `rate` a second,
+    their turns spread evenly. The latencies of the submits made, the errors, the time taken."""
     latencies: list[float] = []
-    errors: list[int] = []
+    errors: list[float] = []
+    clients = [Client(url, token, index) for index, token in enumerate(tokens)]
     started = time.monotonic()
     until = started + seconds
-    await asyncio.gather(*(client(url, t, until, latencies, errors, i) for i, t in enumerate(tokens)))
+    if rate:
+        interval = len(clients) / rate
+        runs = [
+            paced(c, started + i * interval / len(clients), interval, until, latencies, errors)
+            for i, c in enumerate(clients)
+        ]
+    else:
+        runs = [flat_out(c, until, latencies, errors) for c in clients]
+    await asyncio.gather(*runs)
+    for client in clients:
+        client.close()
     return latencies, len(errors), time.monotonic() - started
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="5 s of load instead of 30")
+    parser.add_argument("--quick", action="store_true", help="5 s of load per phase instead of 30")
     parser.add_argument("--clients", type=int, default=50)
-    parser.add_argument("--seconds", type=float, default=None)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="web processes (uvicorn --workers)")
+    parser.add_argument("--seconds", type=float, default=None, help="length of each phase")
+    parser.add_argument(
+        "--rate", type=float, default=200, help="submits a second in the paced phase (0: no paced phase)"
+    )
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="web processes (HANGAR_WEB_WORKERS)")
     parser.add_argument("--postgres", action="store_true", help="a fresh database on the local PostgreSQL")
     args = parser.parse_args()
     if args.postgres:
@@ -176,6 +214,7 @@ def run(args) -> None:
         admin = get_user_model().objects.get(username="admin")
         tokens = [ApiToken.issue(admin, f"bench-{i}")[1] for i in range(args.clients)]
         asyncio.run(load(stack.url, tokens[:5], 1.0))  # warm up: imports, connections
+        paced_run = asyncio.run(load(stack.url, tokens, seconds, args.rate)) if args.rate else None
         web = web_processes(stack.proc.pid)
         others = [pid for pid in descendants(stack.proc.pid) if pid not in web]
         web_cpu, other_cpu = cpu_seconds(web), cpu_seconds(others)
@@ -186,19 +225,33 @@ def run(args) -> None:
 
     rate = len(latencies) / elapsed
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
-    print(f"{len(latencies)} jobs submitted in {elapsed:.1f} s by {args.clients} clients, {errors} errors")
+    figures = f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
+    if paced_run:
+        paced_latencies, paced_errors, paced_elapsed = paced_run
+        paced_rate = len(paced_latencies) / paced_elapsed
+        paced_p50, paced_p99 = percentile(paced_latencies, 50), percentile(paced_latencies, 99)
+        print(
+            f"paced: {args.clients} clients asking {args.rate:g} submits/s together for {paced_elapsed:.1f} s: "
+            f"{paced_rate:.1f}/s done, p50 {paced_p50:.1f} ms, p99 {paced_p99:.1f} ms, {paced_errors} errors"
+        )
+        figures += f"paced_rate={args.rate:g} paced_per_s={paced_rate:.1f} paced_p50_ms={paced_p50:.1f} "
+        figures += f"paced_p99_ms={paced_p99:.1f} "
+        errors += paced_errors
+    print(
+        f"flat out: {len(latencies)} jobs submitted in {elapsed:.1f} s by {args.clients} clients, "
+        f"{rate:.1f}/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+    )
     # CPU per submit holds under a loaded machine where the rate does not: the rate a
     # machine sustains is about (cores for the web server) / web_cpu_ms_per_submit.
     done = max(len(latencies), 1)
     print(
-        f"CPU per submit: web server {web_cpu * 1000 / done:.1f} ms, scheduler and agent "
+        f"CPU per submit, flat out: web server {web_cpu * 1000 / done:.1f} ms, scheduler and agent "
         f"{other_cpu * 1000 / done:.1f} ms, these clients {client_cpu * 1000 / done:.1f} ms, the whole machine "
         f"(with PostgreSQL, Redis, anything else running) {machine_cpu * 1000 / done:.1f} ms; "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"mode={mode} submissions_per_s={rate:.1f} p50_ms={p50:.1f} p99_ms={p99:.1f} "
-        f"errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers} "
+        f"{figures}errors={errors} clients={args.clients} seconds={seconds:g} workers={args.workers} "
         f"web_cpu_ms={web_cpu * 1000 / done:.1f} client_cpu_ms={client_cpu * 1000 / done:.1f} "
         f"machine_cpu_ms={machine_cpu * 1000 / done:.1f}"
     )

@@ -265,7 +265,7 @@ class RssSampler(threading.Thread):
         self.roles = {}
         for pid in children(stack.proc.pid):
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            role = "web" if "uvicorn" in cmdline else "agent" if cmdline.endswith("agent ") else "scheduler"
+            role = "web" if "portal.webserver" in cmdline else "agent" if cmdline.endswith("agent ") else "scheduler"
             self.roles[role] = pid
         self.peak = dict.fromkeys(self.roles, 0)
         self.done = threading.Event()

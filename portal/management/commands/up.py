@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from fleet.models import Node
 from portal.models import Membership, Project, Role
+from portal.webserver import listening_sockets
 
 STOP_SECONDS = 20
 
@@ -97,33 +98,23 @@ def ensure_default_project() -> None:
 def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = False) -> dict[str, subprocess.Popen]:
     python = sys.executable
     manage = str(settings.BASE_DIR / "manage.py")
-    commands = {
-        "web": [
-            python,
-            "-m",
-            "uvicorn",
-            "portal.asgi:application",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--ws",
-            "websockets-sansio",
-            "--no-access-log",
-            "--log-level",
-            "warning",
-            # More web processes use more cores: the API's throughput scales with them.
-            "--workers",
-            str(settings.HANGAR_WEB_WORKERS),
-        ],
-        "scheduler": [python, manage, "scheduler"],
-    }
+    env = {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
+    children = {}
+    # More web processes use more cores: the API's throughput scales with them.
+    workers = settings.HANGAR_WEB_WORKERS
+    for index, sock in enumerate(listening_sockets(host, port, workers), start=1):
+        name = "web" if workers == 1 else f"web-{index}"
+        argv = [python, "-m", "portal.webserver", str(sock.fileno())]
+        with sock:  # the child keeps its own copy
+            children[name] = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, pass_fds=[sock.fileno()])
+    commands = {"scheduler": [python, manage, "scheduler"]}
     if no_scheduler:
         del commands["scheduler"]
     if not no_agent:
         commands["agent"] = [python, manage, "agent"]
-    env = {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
-    return {name: subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env) for name, argv in commands.items()}
+    for name, argv in commands.items():
+        children[name] = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env)
+    return children
 
 
 def wait_for_port(host: str, port: int, children: dict[str, subprocess.Popen], timeout: float = 60) -> None:
