@@ -31,7 +31,10 @@ def call(app: SyncHttpApp, request_scope: dict, body: bytes = b"", disconnect_af
 
     async def exchange():
         gone = asyncio.Event()
-        pieces = [{"type": "http.request", "body": body[:3], "more_body": True}, {"type": "http.request", "body": body[3:]}]
+        pieces = [
+            {"type": "http.request", "body": body[:3], "more_body": True},
+            {"type": "http.request", "body": body[3:]},
+        ]
 
         async def receive():
             if pieces:
@@ -89,7 +92,8 @@ def test_the_environ_follows_pep_3333():
     assert result["HTTP_COOKIE"] == "a=1; b=2"
     assert result["HTTP_ACCEPT"] == "text/html,*/*"
     assert result["CONTENT_LENGTH"] == "0" and "HTTP_CONTENT_LENGTH" not in result
-    assert (result["SERVER_NAME"], result["SERVER_PORT"], result["SERVER_PROTOCOL"]) == ("127.0.0.1", "8000", "HTTP/1.1")
+    server = (result["SERVER_NAME"], result["SERVER_PORT"], result["SERVER_PROTOCOL"])
+    assert server == ("127.0.0.1", "8000", "HTTP/1.1")
     assert environ(scope(path="/hangar/api/", root_path="/hangar"), io.BytesIO())["PATH_INFO"] == "/api/"
 
 
