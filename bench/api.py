@@ -2,22 +2,33 @@
 
 Starts a whole Hangar (`manage.py up`) in a temporary data directory, cordons its
 node (jobs stay queued: this measures the API, not the GPUs), then 50 concurrent
-clients — each with its own API token, keep-alive connections — submit jobs
-through `POST /api/v1/jobs/` for a fixed time. Every request is a full submit:
-token check, validation, capacity check, insert, history row, scheduler wake-up.
+clients — each with its own API token and keep-alive connection — submit jobs
+through `POST /api/v1/jobs/`. Every request is a full submit: token check,
+validation, capacity check, insert, history row, scheduler wake-up. Three phases on
+the same connections:
 
-    python bench/api.py [--quick] [--clients N] [--seconds S] [--workers W] [--postgres]
+- warm-up, 1 s: every client connected and its token checked once;
+- paced: together the clients ask --rate submits a second (default 200, the target),
+  each on a fixed schedule; a submit's latency counts from when it was due, so a client
+  held up by a slow answer reports its late sends too (no coordinated omission);
+- flat out: each client submits again as soon as it has its answer, which gives the
+  most the machine does (submissions_per_s) and its latency when saturated: with 50
+  clients always waiting, the mean latency there is 50 / submissions_per_s by
+  construction.
+
+    python bench/api.py [--quick] [--clients N] [--seconds S] [--rate R] [--workers W] [--postgres]
 
 Embedded default (SQLite) unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
 --postgres makes a fresh database of its own on the local PostgreSQL and a Redis key
 prefix of its own (HANGAR_TEST_POSTGRES_URL, HANGAR_TEST_REDIS_URL), dropped at the end.
 A web process runs requests on a pool of threads (portal.sync_http) that share one
-interpreter lock, so a process uses about one core:
-throughput scales with --workers (web processes, default: the machine's cores), up to
-the cores PostgreSQL, the scheduler and the clients leave free.
-Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... errors=... clients=... workers=...
-web_cpu_ms=... client_cpu_ms=... machine_cpu_ms=... (CPU per submit; the machine's counts everything
-running on it, PostgreSQL and other people's work included).
+interpreter lock, so a process uses about one core: throughput scales with --workers
+(web processes, default: the machine's cores), up to the cores PostgreSQL, the
+scheduler and the clients leave free.
+Last line: mode=... submissions_per_s=... p50_ms=... p99_ms=... (flat out) paced_rate=...
+paced_per_s=... paced_p50_ms=... paced_p99_ms=... errors=... clients=... workers=...
+web_cpu_ms=... client_cpu_ms=... machine_cpu_ms=... (CPU per submit flat out; the machine's
+counts everything running on it, PostgreSQL and other people's work included).
 """
 
 import argparse
@@ -144,12 +155,11 @@ async def paced(client: Client, due: float, interval: float, until: float, laten
         due += interval
 
 
-async def load(url: str, tokens: list[str], seconds: float, rate: float = 0) -> tuple[list[float], int, float]:
-    """Every token's client submitting for `seconds`: flat out, or together `rate` a second,
-    their turns spread evenly. The latencies of the submits made, the errors, the time taken."""
+async def load(clients: list[Client], seconds: float, rate: float = 0) -> tuple[list[float], int, float]:
+    """Every client submitting for `seconds`: flat out, or together `rate` a second, their
+    turns spread evenly. The latencies of the submits made, the errors, the time taken."""
     latencies: list[float] = []
     errors: list[float] = []
-    clients = [Client(url, token, index) for index, token in enumerate(tokens)]
     started = time.monotonic()
     until = started + seconds
     if rate:
@@ -161,9 +171,23 @@ async def load(url: str, tokens: list[str], seconds: float, rate: float = 0) -> 
     else:
         runs = [flat_out(c, until, latencies, errors) for c in clients]
     await asyncio.gather(*runs)
-    for client in clients:
-        client.close()
     return latencies, len(errors), time.monotonic() - started
+
+
+async def phases(url: str, tokens: list[str], seconds: float, rate: float, measure) -> tuple:
+    """Warm up, then paced at `rate` (unless 0), then flat out, on the same keep-alive
+    connections; `measure()` is read around the flat-out phase."""
+    clients = [Client(url, token, index) for index, token in enumerate(tokens)]
+    try:
+        await load(clients, 1.0)  # every client connected, its token checked once
+        paced_run = await load(clients, seconds, rate) if rate else None
+        before = measure()
+        flat_run = await load(clients, seconds)
+        used = [after - earlier for after, earlier in zip(measure(), before, strict=True)]
+    finally:
+        for client in clients:
+            client.close()
+    return paced_run, flat_run, used
 
 
 def main() -> None:
@@ -213,15 +237,14 @@ def run(args) -> None:
             node.cordon(None, "bench/api.py: keep submitted jobs queued")
         admin = get_user_model().objects.get(username="admin")
         tokens = [ApiToken.issue(admin, f"bench-{i}")[1] for i in range(args.clients)]
-        asyncio.run(load(stack.url, tokens[:5], 1.0))  # warm up: imports, connections
-        paced_run = asyncio.run(load(stack.url, tokens, seconds, args.rate)) if args.rate else None
         web = web_processes(stack.proc.pid)
         others = [pid for pid in descendants(stack.proc.pid) if pid not in web]
-        web_cpu, other_cpu = cpu_seconds(web), cpu_seconds(others)
-        client_cpu, machine_cpu = time.process_time(), machine_busy_seconds()
-        latencies, errors, elapsed = asyncio.run(load(stack.url, tokens, seconds))
-        web_cpu, other_cpu = cpu_seconds(web) - web_cpu, cpu_seconds(others) - other_cpu
-        client_cpu, machine_cpu = time.process_time() - client_cpu, machine_busy_seconds() - machine_cpu
+
+        def measure():
+            return cpu_seconds(web), cpu_seconds(others), time.process_time(), machine_busy_seconds()
+
+        paced_run, flat_run, used = asyncio.run(phases(stack.url, tokens, seconds, args.rate, measure))
+        (latencies, errors, elapsed), (web_cpu, other_cpu, client_cpu, machine_cpu) = flat_run, used
 
     rate = len(latencies) / elapsed
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
