@@ -158,14 +158,23 @@ def raise_interrupt(signum, frame):
 
 
 def stop(children: dict[str, subprocess.Popen]) -> None:
-    """SIGTERM everyone (the agent ends its running jobs, which are requeued), then SIGKILL stragglers."""
+    """SIGTERM everyone (the agent ends its running jobs, which are requeued), then SIGKILL
+    stragglers; asked again (a second Ctrl-C or SIGTERM) it stops waiting and kills them."""
     for proc in children.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_SECONDS
+    try:
+        for proc in children.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for proc in children.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
