@@ -94,13 +94,15 @@ def node_detail(request, name: str):
 def attempts_on(node: Node, user, limit: int = 20) -> list:
     """The latest attempts of the user's projects that ran on this node: as rank 0 (`node`), or
     as another rank of a multi-node attempt (found in the placement's text, the same on SQLite
-    and PostgreSQL: `"node_id": <pk>` then `,` or `}`)."""
+    and PostgreSQL: `"node_id": <pk>` then `,` or `}`; only multi-node jobs' placements are
+    read, the rest have no other rank)."""
     from jobs.models import Attempt, Job
 
     visible = Attempt.objects.filter(job__in=Job.objects.visible_to(user)).select_related("job")
     as_rank_zero = visible.filter(node=node).order_by("-scheduled_at")[:limit]
     as_other_rank = (
-        visible.exclude(node=node)
+        visible.filter(job__nodes__gt=1)
+        .exclude(node=node)
         .exclude(placement=[])
         .annotate(placement_text=Cast("placement", TextField()))
         .filter(placement_text__regex=rf'"node_id": {node.pk}[,}}]')
