@@ -130,8 +130,8 @@ TEMPLATES = [
     },
 ]
 
-# Each process's own memory: checked API tokens (portal.auth), node sizes for the submit
-# check (jobs.api.capacity) and, without Redis, the API's rate-limit counts.
+# Each process's own memory: checked API tokens (portal.auth), node sizes and budgeted
+# projects for the submit check (portal.remembered) and, without Redis, the API's rate-limit counts.
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "OPTIONS": {"MAX_ENTRIES": 10_000}}}
 
 DATABASE_URL = env_str("DATABASE_URL")

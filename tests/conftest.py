@@ -58,7 +58,7 @@ def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None
 def fresh_cache():
     # Rate-limit counters live in the cache and are keyed by token or user id,
     # which the next test's rolled-back database hands out again.
-    # So do the remembered API tokens and node sizes (a rolled-back database sends no signal
+    # So do the remembered API tokens, node sizes and budgeted projects (a rolled-back database sends no signal
     # that would make them forgotten).
     from django.core.cache import cache
 

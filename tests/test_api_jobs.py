@@ -294,10 +294,12 @@ def test_the_written_out_job_json_matches_the_declared_fields(roles, gpus):
 
 @pytest.mark.django_db(transaction=True)
 def test_node_sizes_are_remembered_outside_a_transaction_until_a_node_is_saved(django_assert_num_queries):
-    from fleet.models import Node
-    from jobs.api.capacity import forget_node_sizes, node_sizes
+    from django.core.cache import cache
 
-    forget_node_sizes()
+    from fleet.models import Node
+    from jobs.api.capacity import NODE_SIZES, node_sizes
+
+    cache.delete(NODE_SIZES)
     try:
         make_node("a", gpus=4)
         assert node_sizes() == [("H100", 4)]
@@ -308,7 +310,7 @@ def test_node_sizes_are_remembered_outside_a_transaction_until_a_node_is_saved(d
         make_node("b", gpus=8, model="B300")
         assert sorted(node_sizes()) == [("B300", 8), ("H100", 8)]
     finally:
-        forget_node_sizes()
+        cache.delete(NODE_SIZES)
 
 
 def test_node_sizes_read_inside_a_transaction_are_not_remembered(gpus, django_assert_num_queries):

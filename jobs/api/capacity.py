@@ -8,33 +8,20 @@ refused by a stale size may be resubmitted a moment later, and one accepted for 
 just went waits in the queue.
 """
 
-from django.core.cache import cache
-from django.db import connection
-from django.db.models.signals import post_delete, post_save
-
 from fleet.models import Node
+from portal.remembered import forget_on_change, remembered
 
 NODE_SIZES_SECONDS = 5.0
 NODE_SIZES = "node-sizes"
 
 
 def node_sizes() -> list[tuple[str, int]]:
-    """(GPU model, GPU count) of every registered node.
-
-    Read afresh inside a transaction: what it reads there (its own writes) may be rolled
-    back, so it is not remembered."""
-    if connection.in_atomic_block:
-        return read_node_sizes()
-    return cache.get_or_set(NODE_SIZES, read_node_sizes, NODE_SIZES_SECONDS)
+    """(GPU model, GPU count) of every registered node."""
+    return remembered(NODE_SIZES, read_node_sizes, NODE_SIZES_SECONDS)
 
 
 def read_node_sizes() -> list[tuple[str, int]]:
     return list(Node.objects.order_by().values_list("gpu_model", "gpu_count"))
 
 
-def forget_node_sizes(**kwargs) -> None:
-    cache.delete(NODE_SIZES)
-
-
-post_save.connect(forget_node_sizes, sender=Node, dispatch_uid="hangar.forget_node_sizes.saved")
-post_delete.connect(forget_node_sizes, sender=Node, dispatch_uid="hangar.forget_node_sizes.deleted")
+forget_on_change(NODE_SIZES, Node)

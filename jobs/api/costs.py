@@ -1,8 +1,5 @@
 """The cost API: `/api/v1/costs/summary/`, `/api/v1/costs/jobs/`, and the budget check at submit."""
 
-from django.core.cache import cache
-from django.db import connection
-from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -13,6 +10,7 @@ from rest_framework.views import APIView
 
 from jobs import costreports
 from jobs.models import Budget
+from portal.remembered import forget_on_change, remembered
 
 
 def budget_status(project):
@@ -35,30 +33,17 @@ BUDGETED = "budgeted-projects"
 
 
 def budgeted_projects() -> frozenset[int]:
-    """Ids of the projects with a budget this month, remembered for BUDGETED_SECONDS in the
-    process's local-memory cache: a submit to a project without one (most) reads no budget.
-    A budget saved or deleted in this process counts at once; one set through another web
-    process within BUDGETED_SECONDS. Read afresh inside a transaction, which may roll back."""
-    month = timezone.now().date().replace(day=1)
-    if connection.in_atomic_block:
-        return read_budgeted_projects(month)
-    remembered = cache.get(BUDGETED)
-    if remembered is None or remembered[0] != month:
-        remembered = (month, read_budgeted_projects(month))
-        cache.set(BUDGETED, remembered, BUDGETED_SECONDS)
-    return remembered[1]
+    """Ids of the projects with a budget this month, remembered for BUDGETED_SECONDS
+    (portal.remembered): a submit to a project without one (most) reads no budget. A budget
+    set through another web process, or a new month's, counts within BUDGETED_SECONDS."""
+    return remembered(BUDGETED, read_budgeted_projects, BUDGETED_SECONDS)
 
 
-def read_budgeted_projects(month) -> frozenset[int]:
-    return frozenset(Budget.applying(month).values_list("project_id", flat=True))
+def read_budgeted_projects() -> frozenset[int]:
+    return frozenset(Budget.applying(timezone.now().date()).values_list("project_id", flat=True))
 
 
-def forget_budgeted_projects(**kwargs) -> None:
-    cache.delete(BUDGETED)
-
-
-post_save.connect(forget_budgeted_projects, sender=Budget, dispatch_uid="hangar.forget_budgeted.saved")
-post_delete.connect(forget_budgeted_projects, sender=Budget, dispatch_uid="hangar.forget_budgeted.deleted")
+forget_on_change(BUDGETED, Budget)
 
 
 def check_budget(project) -> str | None:
