@@ -283,6 +283,9 @@ def bounded(query: QuerySet, in_order: bool = False, timeout_ms: int | None = No
         return list(query)
     timeout = f"{settings.HANGAR_LOG_QUERY_TIMEOUT_MS if timeout_ms is None else timeout_ms}ms"
     bitmaps = "off" if in_order else "on"
+    # Local settings last to the end of the transaction: in a transaction of the caller's
+    # they are put back after the read; otherwise the read's own commit ends them.
+    nested = connection.in_atomic_block
     try:
         with transaction.atomic():
             with connection.cursor() as cursor:
@@ -293,11 +296,12 @@ def bounded(query: QuerySet, in_order: bool = False, timeout_ms: int | None = No
                 )
                 before = cursor.fetchone()[:2]
             rows = list(query)
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT set_config('statement_timeout', %s, true), set_config('enable_bitmapscan', %s, true)",
-                    before,
-                )
+            if nested:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT set_config('statement_timeout', %s, true), set_config('enable_bitmapscan', %s, true)",
+                        before,
+                    )
     except OperationalError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == QUERY_CANCELED:
             return None
@@ -320,7 +324,7 @@ def _walk(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], high: tup
     attempts = Attempt.objects.filter(job_id=job_id, pk__gte=cursor[0], pk__lte=high[0]).order_by("pk")
     for attempt_id in attempts.values_list("pk", flat=True):
         start = cursor[1] if attempt_id == cursor[0] else 0
-        end = high[1] if attempt_id == high[0] else _last_seq(job_id, attempt_id)
+        end = high[1] if attempt_id == high[0] else LogLine.high_water(job_id, attempt_id)[1]
         while start < end:
             if position != cursor and time.monotonic() >= deadline:
                 return found, position, True
@@ -342,11 +346,6 @@ def _walk(job_id: int, log_filter: LogFilter, cursor: tuple[int, int], high: tup
             start = stop
             position = (attempt_id, stop)
     return found, max(position, high), False
-
-
-def _last_seq(job_id: int, attempt_id: int) -> int:
-    last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).order_by("-seq").values_list("seq", flat=True)
-    return last.first() or 0
 
 
 def first_error(job_id: int, skip_attempts=()) -> LogLine | None:

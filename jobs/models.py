@@ -578,13 +578,17 @@ class LogLine(models.Model):
         )
 
     @classmethod
-    def high_water(cls, job_id: int) -> tuple[int, int]:
-        """The cursor of the job's last stored line, (0, 0) when none.
+    def high_water(cls, job_id: int, attempt_id: int | None = None) -> tuple[int, int]:
+        """The cursor of the job's last stored line (of one attempt's, given `attempt_id`),
+        (0, 0) when none.
 
         Writers commit an attempt's lines in seq order and a job has one live
         attempt, so every line at or before this cursor is already visible.
         """
-        last = cls.objects.filter(job_id=job_id).order_by("-attempt_id", "-seq").values_list("attempt_id", "seq")
+        lines = cls.objects.filter(job_id=job_id)
+        if attempt_id is not None:
+            lines = lines.filter(attempt_id=attempt_id)
+        last = lines.order_by("-attempt_id", "-seq").values_list("attempt_id", "seq")
         return last.first() or (0, 0)
 
     @classmethod
