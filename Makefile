@@ -28,6 +28,7 @@ start: $(VENV)/.runtime
 test: $(VENV)/.test chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) manage.py makemigrations --check --dry-run
 	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) -m pytest
 

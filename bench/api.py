@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--postgres", action="store_true", help="a fresh database on the local PostgreSQL")
     args = parser.parse_args()
     if args.postgres:
-        from portal.livestack import ServicesDatabase
+        from tests.livestack import ServicesDatabase
 
         services = ServicesDatabase()
         if missing := services.available():
@@ -226,8 +226,8 @@ def run(args) -> None:
     from django.contrib.auth import get_user_model
 
     from fleet.models import Node
-    from portal.livestack import LiveStack
     from portal.models import ApiToken
+    from tests.livestack import LiveStack
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     # The bench measures throughput, so the rate limit must not be what it measures.

@@ -129,7 +129,7 @@ def ingest_rate(nodes: int) -> float:
     """GPU samples per second through the agents' write path, one node report after another."""
     from django.utils import timezone
 
-    from fleet.agent import Agent
+    from agent.node import Agent
     from fleet.gpus import SimulatedProvider
     from fleet.models import Node
 

@@ -16,7 +16,7 @@ Starts a whole Hangar (`manage.py up`) in a temporary data directory, then:
 
 Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set;
 --services makes a fresh database on the test PostgreSQL and a key prefix of
-its own on the test Redis (portal.livestack.ServicesDatabase), dropped after.
+its own on the test Redis (tests.livestack.ServicesDatabase), dropped after.
 The default query table has 1,000,000 rows, not 10 million (--rows 10000000 for
 that, slow on small machines). Last line: mode=... ingest_lines_per_s=...
 raw_insert_lines_per_s=... ratio=... agent_cpu_us_per_line=... db_cpu_us_per_line=...
@@ -152,7 +152,8 @@ def measure_raw(rows: int) -> tuple[float, object]:
     from django.db import transaction
     from django.utils import timezone
 
-    from jobs.logingest import MAX_BATCH, NewLine, insert_rows
+    from agent.output import MAX_BATCH
+    from jobs.logstore import NewLine, insert_rows
     from jobs.models import Severity, Stream
 
     attempt = bench_attempt()
@@ -208,8 +209,7 @@ QUERIES = {
 
 def measure_queries(attempt, repeats: int = 3) -> dict[str, tuple[float, int, bool]]:
     """Per shape: median ms of the first page (1,000 lines), its lines, and whether more pages follow."""
-    from jobs.logquery import LogFilter, read_page
-    from jobs.messages import wire_lines
+    from jobs.logquery import LogFilter, read_page, wire_lines
 
     results = {}
     for name, params in QUERIES.items():
@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--services", action="store_true", help="a fresh database on the test PostgreSQL and Redis")
     args = parser.parse_args()
     if args.services:
-        from portal.livestack import ServicesDatabase
+        from tests.livestack import ServicesDatabase
 
         with ServicesDatabase() as env:
             os.environ.update(env)
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> None:
     django.setup()
     from django.conf import settings
 
-    from portal.livestack import LiveStack
+    from tests.livestack import LiveStack
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     with LiveStack(data_dir=data_dir) as stack:

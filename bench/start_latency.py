@@ -69,7 +69,7 @@ def main() -> None:
     django.setup()
     from django.conf import settings
 
-    from portal.livestack import LiveStack
+    from tests.livestack import LiveStack
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     with LiveStack(data_dir=data_dir) as stack:

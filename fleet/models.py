@@ -6,15 +6,10 @@ from django.conf import settings
 from django.db import connection, models, transaction
 from django.utils import timezone
 
-from fleet import health
+from fleet import health, signals
 from fleet.gpus import FAULT_KINDS, POWER_REASONS, THERMAL_REASONS, GpuSample
+from portal import wakeup
 from portal.models import AuditEvent
-
-
-def request_scheduling_pass() -> None:
-    from jobs.scheduler import request_pass
-
-    request_pass()
 
 
 class NodeState(models.TextChoices):
@@ -84,7 +79,7 @@ class Node(models.Model):
         )
         if came_back:
             AuditEvent.record(None, "node.online", self, reason="agent heartbeat resumed")
-            request_scheduling_pass()
+            wakeup.request_pass()
 
     def cordon(self, by, reason: str, evidence: dict | None = None) -> bool:
         """Take the node out of scheduling (from ready, draining or offline)."""
@@ -149,7 +144,7 @@ class Node(models.Model):
             self.state, self.state_reason, self.auto_cordoned = new, reason, auto
             detail = {"previous_state": previous, **({"evidence": evidence} if evidence else {})}
             AuditEvent.record(by, action, self, reason=reason, detail=detail)
-            request_scheduling_pass()  # capacity changed: place (or stop placing) work at once
+            wakeup.request_pass()  # capacity changed: place (or stop placing) work at once
         return bool(changed)
 
     def state_history(self) -> models.QuerySet:
@@ -171,18 +166,12 @@ class Node(models.Model):
             # Re-checked in the UPDATE: a heartbeat that lands after the read keeps the node ready.
             stale = {"last_heartbeat_at__lt": cutoff}
             if node._change_state(NodeState.OFFLINE, None, reason, "node.offline", only_if=stale):
-                node.lose_attempts(reason)
+                signals.node_offline.send(sender=cls, node=node, reason=reason)
                 HealthEvent.objects.create(
                     node=node, kind=health.Kind.HEARTBEAT, severity="critical", message=reason, action="offline"
                 )
                 gone.append(node)
         return gone
-
-    def lose_attempts(self, reason: str) -> None:
-        from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptState, FailureClass
-
-        for attempt in Attempt.objects.filter(node=self, state__in=ACTIVE_ATTEMPT_STATES):
-            attempt.finish(AttemptState.LOST, FailureClass.INFRA, f"node {self.name} went offline: {reason}")
 
 
 class GPU(models.Model):
@@ -414,9 +403,8 @@ class HealthEvent(models.Model):
         """A health event recorded since the attempt started whose policy stops the jobs it hits,
         on this rank's node and GPUs (or on the attempt itself, from its output). A process that
         exits non-zero before the agent's stop reaches it most likely died of that fault."""
-        from jobs.models import Attempt
-
-        started = Attempt.objects.filter(pk=attempt_id).values_list("started_at", flat=True).first()
+        attempts = cls._meta.get_field("attempt").related_model  # jobs.Attempt, by its string key
+        started = attempts.objects.filter(pk=attempt_id).values_list("started_at", flat=True).first()
         if started is None:
             return None
         own = models.Q(attempt_id=attempt_id)

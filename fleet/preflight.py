@@ -1,12 +1,12 @@
 """Checks run on a node before a job's command starts, and the burn-in before a node returns to service.
 
-Each check is a short function over what the node reports now: in the agent
-process it asks the GPU provider directly; elsewhere (the burn-in, run by the
-portal) it reads the latest telemetry the agent stored. Every result is
-recorded with its duration and evidence; a failure cordons the node.
+Each check is a short function over what the node reports now (a Context): the
+agent fills it from its GPU provider (agent/preflight.py, which runs a job's
+preflight and rendezvous); the burn-in, run by the portal, fills it from the
+latest telemetry the agent stored. Every result is recorded with its duration
+and evidence; a failure cordons the node.
 """
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,8 +16,10 @@ from django.conf import settings
 from django.db.models import Max
 from django.utils import timezone
 
+from fleet import signals
 from fleet.gpus import GpuSample
 from fleet.models import HealthCheck, Node
+from portal.models import AuditEvent
 
 
 @dataclass
@@ -111,140 +113,6 @@ def run_checks(ctx: Context) -> list[Result]:
     return results
 
 
-def rendezvous_reachable(host: str, port: int, timeout: float = 2.0) -> tuple[bool, str]:
-    """For multi-node jobs: can this rank open a TCP connection to the rendezvous address?"""
-    start = time.perf_counter()
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True, f"{host}:{port} reachable in {(time.perf_counter() - start) * 1000:.0f} ms"
-    except OSError as exc:
-        return False, f"{host}:{port} unreachable: {exc}"
-
-
-# --- Multi-node: can the ranks reach rank 0 on the rendezvous port? -------------------------
-#
-# Rank 0's agent listens on the job's own MASTER_PORT during its preflight, greets
-# each connection with the attempt's id, and frees the port for the job once every
-# other rank has answered (or its wait ran out). Every other rank connects to
-# MASTER_ADDR:MASTER_PORT until it is greeted or its wait runs out. A rank that
-# arrives after rank 0's job took the port still reaches the port (the job's own
-# store answers the connection), which is what the check is about.
-
-POLL_SECONDS = 0.2
-
-
-def rendezvous_seconds() -> float:
-    return settings.HANGAR_RENDEZVOUS_SECONDS
-
-
-def run_rendezvous(attempt, rank: int, world_size: int, master_addr: str, port: int, still_current) -> list[str]:
-    """Record the rendezvous check of one rank; a rank that cannot reach rank 0 cordons its own
-    node (the preflight rule) and fails the attempt (infra). Returns what failed."""
-    start = time.perf_counter()
-    still_current = at_most_every(still_current, 0.5)  # each look renews the lease: a write
-    if rank == 0:
-        passed, evidence = listen_for_ranks(attempt.pk, port, world_size - 1, still_current)
-    else:
-        passed, evidence = reach_rank_zero(attempt.pk, rank, master_addr, port, still_current)
-    result = Result("rendezvous", passed, evidence, (time.perf_counter() - start) * 1000)
-    record(attempt.node, [result], "preflight", attempt)
-    if passed:
-        return []
-    if rank != 0 and still_current():
-        evidence_dict = {"attempt": attempt.pk, "rank": rank, "failed_checks": {"rendezvous": evidence}}
-        attempt.node.auto_cordon(f"preflight failed: rendezvous: {evidence}", evidence_dict)
-    return [f"rendezvous: {evidence}"]
-
-
-def at_most_every(check: Callable[[], bool], seconds: float) -> Callable[[], bool]:
-    """`check`, called again only once `seconds` have passed; its last answer in between."""
-    last = {"at": -seconds, "answer": True}
-
-    def call() -> bool:
-        now = time.monotonic()
-        if now - last["at"] >= seconds:
-            last["at"], last["answer"] = now, check()
-        return last["answer"]
-
-    return call
-
-
-def listen_for_ranks(attempt_id: int, port: int, expected: int, still_current) -> tuple[bool, str]:
-    greeting = f"hangar-rendezvous {attempt_id}\n".encode()
-    try:
-        server = socket.create_server(("", port), reuse_port=False)
-    except OSError as exc:  # the job could not bind it either; not the node's health
-        return False, f"cannot listen on rendezvous port {port}: {exc}"
-    server.settimeout(POLL_SECONDS)
-    seen: set[int] = set()
-    deadline = time.monotonic() + rendezvous_seconds()
-    with server:
-        while len(seen) < expected and time.monotonic() < deadline and still_current():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(2.0)
-                try:
-                    conn.sendall(greeting)
-                    rank = int(conn.recv(64).decode().split()[-1])
-                except (OSError, ValueError, IndexError):
-                    continue  # not a rank of ours
-                if 1 <= rank <= expected:
-                    seen.add(rank)
-    if not still_current():
-        return False, f"the attempt ended (another rank failed, or a cancel) while rank 0 waited on port {port}"
-    missing = sorted(set(range(1, expected + 1)) - seen)
-    if missing:
-        return True, f"listened on port {port}; ranks {missing} did not check in (each records its own check)"
-    return True, f"listened on port {port}; ranks {sorted(seen)} reached it"
-
-
-def reach_rank_zero(attempt_id: int, rank: int, host: str, port: int, still_current) -> tuple[bool, str]:
-    deadline = time.monotonic() + rendezvous_seconds()
-    error = "no answer"
-    tries = 0
-    while time.monotonic() < deadline and still_current():
-        tries += 1
-        try:
-            with socket.create_connection((host, port), timeout=2.0) as conn:
-                conn.settimeout(1.0)
-                try:
-                    hello = conn.recv(64).decode()
-                except TimeoutError:
-                    return True, f"{host}:{port} reachable (the job already listens there), try {tries}"
-                if hello.strip() == f"hangar-rendezvous {attempt_id}":
-                    conn.sendall(f"rank {rank}\n".encode())
-                    return True, f"{host}:{port} reachable, rank 0 answered, try {tries}"
-                error = f"something else answered on {host}:{port}: {hello[:40]!r}"
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        time.sleep(POLL_SECONDS)
-    if not still_current():
-        return False, "the attempt ended before rank 0 was reached"
-    return False, f"{host}:{port} unreachable for {rendezvous_seconds():g}s ({tries} tries): {error}"
-
-
-def live_context(node: Node, gpu_indices: list[int], gpu_type: str) -> Context:
-    """What the node reports now: from this process's agent when there is one, else stored telemetry."""
-    from fleet import agent
-
-    ctx = Context(node, gpu_indices, gpu_type)
-    current = agent.CURRENT
-    if current is not None and current.node is not None and current.node.pk == node.pk:
-        start = time.perf_counter()
-        try:
-            ctx.present = {g.index for g in current.provider.inventory()}
-            ctx.samples = {s.index: s for s in current.provider.sample(set(), events=False)}
-        except Exception as exc:  # any driver failure is the check's evidence
-            ctx.driver_error = f"{type(exc).__name__}: {exc}"
-        if time.perf_counter() - start > 10:
-            ctx.driver_error = ctx.driver_error or "the driver took over 10 s to answer"
-        return ctx
-    return stored_context(node, gpu_indices, gpu_type)
-
-
 def stored_context(node: Node, gpu_indices: list[int], gpu_type: str) -> Context:
     ctx = Context(node, gpu_indices, gpu_type)
     fresh = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
@@ -287,18 +155,6 @@ def record(node: Node, results: list[Result], suite: str, attempt=None) -> None:
     )
 
 
-def run_preflight(attempt, gpu_type: str) -> list[str]:
-    """Run and record the preflight of an attempt; a failure cordons the node. Returns what failed."""
-    node = attempt.node
-    results = run_checks(live_context(node, attempt.gpu_indices, gpu_type))
-    record(node, results, "preflight", attempt)
-    failures = [f"{r.name}: {r.evidence}" for r in results if not r.passed]
-    if failures:
-        evidence = {"attempt": attempt.pk, "failed_checks": {r.name: r.evidence for r in results if not r.passed}}
-        node.auto_cordon("preflight failed: " + "; ".join(failures), evidence)
-    return failures
-
-
 def burn_in(node: Node) -> tuple[bool, list[Result]]:
     """Before an automatically cordoned node returns to service: the preflight suite over all its GPUs,
     on the telemetry its agent reports now (so a silent agent fails it too)."""
@@ -316,35 +172,17 @@ def burn_in(node: Node) -> tuple[bool, list[Result]]:
     return results[-1].passed, results
 
 
-def stress_here(node_id: int) -> Result | None:
-    """Run and record the stress step, if this process is the node's agent (else None)."""
-    from fleet import agent, stress
-
-    current = agent.CURRENT
-    if current is None or current.node is None or current.node.pk != node_id:
-        return None
-    node = current.node
-    indices = sorted(node.gpus.values_list("index", flat=True))
-    start = time.perf_counter()
-    try:
-        passed, evidence = stress.run(current.provider, node, indices)
-    except Exception as exc:  # a driver or subprocess failure is the step's evidence
-        passed, evidence = False, f"the stress step failed to run: {type(exc).__name__}: {exc}"
-    result = Result("stress", passed, evidence, (time.perf_counter() - start) * 1000)
-    record(node, [result], "burn-in")
-    return result
-
-
 def stress_on_node(node: Node) -> Result:
-    """The stress step runs where the GPUs are: in this process if it is the node's agent, else
-    sent to the agent's queue; its recorded check is awaited (the row is the answer)."""
-    here = stress_here(node.pk)
-    if here is not None:
-        return here
-    from fleet.tasks import burn_in_stress
+    """The stress step runs where the GPUs are: in this process if it is the node's agent (its
+    `stress_here` receiver answers), else sent to the agent's queue by name; its recorded check
+    is awaited (the row is the answer)."""
+    for _, here in signals.stress_here.send(sender=Node, node_id=node.pk):
+        if here is not None:
+            return here
+    from portal.celery import app
 
     before = HealthCheck.objects.aggregate(last=Max("pk"))["last"] or 0
-    burn_in_stress.apply_async(args=[node.pk], queue=node.queue)
+    app.send_task("hangar.burn_in_stress", args=[node.pk], queue=node.queue)
     wait = settings.HANGAR_BURN_IN_WAIT_SECONDS
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -379,8 +217,6 @@ def return_to_service(node: Node, by, reason: str, override: bool = False) -> Un
     evidence = {"burn_in": {r.name: {"passed": r.passed, "evidence": r.evidence} for r in results}}
     if not passed:
         failed = "; ".join(f"{r.name}: {r.evidence}" for r in results if not r.passed)
-        from portal.models import AuditEvent
-
         AuditEvent.record(by, "node.burn_in_failed", node, reason=reason, detail=evidence)
         return Uncordon(False, f"burn-in failed, {node.name} stays cordoned: {failed}")
     node.uncordon(by, reason, evidence=evidence)

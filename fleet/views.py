@@ -3,13 +3,12 @@ from datetime import timedelta
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Count, TextField
-from django.db.models.functions import Cast
+from django.db.models import Count
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from fleet import charts
+from fleet import charts, signals
 from fleet.gpus import FAULT_KINDS
 from fleet.messages import node_wire
 from fleet.models import HealthCheck, HealthEvent, Node, NodeState
@@ -83,33 +82,15 @@ def node_detail(request, name: str):
         "figure": charts.node_figure_json(node, since),
         "events": HealthEvent.objects.filter(node=node)[:50],
         "checks": HealthCheck.objects.filter(node=node).select_related("attempt")[:60],
-        "attempts": charts.with_throttle_seconds(node, attempts_on(node, request.user)),
         "history": node.state_history()[:50],
         "fault_kinds": FAULT_KINDS,
         "is_operator": request.user.is_staff,
+        "attempts": [],
     }
+    for _, extra in signals.node_page.send(sender=Node, node=node, user=request.user):
+        context.update(extra or {})  # the jobs app adds the attempts of the user's projects that ran here
+    context["attempts"] = charts.with_throttle_seconds(node, context["attempts"])
     return render(request, "fleet/node_detail.html", context)
-
-
-def attempts_on(node: Node, user, limit: int = 20) -> list:
-    """The latest attempts of the user's projects that ran on this node: as rank 0 (`node`), or
-    as another rank of a multi-node attempt (found in the placement's text, the same on SQLite
-    and PostgreSQL: `"node_id": <pk>` then `,` or `}`; only multi-node jobs' placements are
-    read, the rest have no other rank)."""
-    from jobs.models import Attempt, Job
-
-    visible = Attempt.objects.filter(job__in=Job.objects.visible_to(user)).select_related("job")
-    as_rank_zero = visible.filter(node=node).order_by("-scheduled_at")[:limit]
-    as_other_rank = (
-        visible.filter(job__nodes__gt=1)
-        .exclude(node=node)
-        .exclude(placement=[])
-        .annotate(placement_text=Cast("placement", TextField()))
-        .filter(placement_text__regex=rf'"node_id": {node.pk}[,}}]')
-        .order_by("-scheduled_at")[:limit]
-    )
-    both = [*as_rank_zero, *as_other_rank]
-    return sorted(both, key=lambda a: a.scheduled_at, reverse=True)[:limit]
 
 
 @require_POST

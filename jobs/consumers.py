@@ -22,7 +22,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db.models import OuterRef, Subquery
 
-from jobs.logquery import LogFilter, LogFilterError, first_error, read_page
+from jobs.logquery import LogFilter, LogFilterError, first_error, read_page, wire_lines
 from jobs.messages import (
     Cursor,
     ErrorMessage,
@@ -33,7 +33,6 @@ from jobs.messages import (
     SubscribedMessage,
     job_group,
     telemetry_url,
-    wire_lines,
 )
 from jobs.models import FINAL_JOB_STATES, Attempt, Job
 

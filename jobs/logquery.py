@@ -20,7 +20,9 @@ from django.db.models.functions import Lower
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from jobs.models import Attempt, LogLine, Severity
+from fleet.models import Node
+from jobs.messages import WireLine
+from jobs.models import Attempt, LogLine, Severity, Stream
 
 MAX_PATTERN = 500
 MAX_SPANS = 50
@@ -29,7 +31,7 @@ FILTER_PARAMS = ("attempt", "node", "rank", "severity", "since", "until", "last_
 # Lines of one window of the ordered walk: about 0.1-0.2 s of filtering on PostgreSQL.
 WALK_WINDOW = 100_000
 WALK_WINDOW_MIN = 1_000
-# What a reader of lines needs (jobs.messages.wire_lines), as read_page returns them.
+# What a reader of lines needs (wire_lines), as read_page returns them.
 ROW_FIELDS = ("attempt_id", "seq", "node_id", "rank", "stream", "severity", "fault", "ts", "text")
 QUERY_CANCELED = "57014"  # PostgreSQL's SQLSTATE for a statement cancelled by statement_timeout
 
@@ -361,3 +363,29 @@ def first_error(job_id: int, skip_attempts=()) -> LogLine | None:
         if (line := errors.filter(attempt_id=attempt_id).order_by("seq").first()) is not None:
             return line
     return None
+
+
+def wire_lines(lines, pattern=None) -> list[WireLine]:
+    """Stored lines (LogLine rows, or read_page's named rows) in the shape the API and the
+    websocket send; `hl` when a text filter is set."""
+    names = dict(Node.objects.filter(pk__in={line.node_id for line in lines}).values_list("pk", "name"))
+    numbers = dict(Attempt.objects.filter(pk__in={line.attempt_id for line in lines}).values_list("pk", "number"))
+    streams, severities = dict(Stream.choices), dict(Severity.choices)
+    out: list[WireLine] = []
+    for line in lines:
+        wire: WireLine = {
+            "attempt": line.attempt_id,
+            "attempt_number": numbers.get(line.attempt_id),
+            "seq": line.seq,
+            "ts": line.ts.isoformat(),
+            "node": names.get(line.node_id),
+            "rank": line.rank,
+            "stream": streams[line.stream],
+            "severity": severities[line.severity],
+            "fault": line.fault,
+            "text": line.text,
+        }
+        if pattern is not None:
+            wire["hl"] = highlights(pattern, line.text)
+        out.append(wire)
+    return out

@@ -101,33 +101,3 @@ def telemetry_url(line: WireLine) -> str | None:
     from urllib.parse import quote
 
     return f"/fleet/nodes/{quote(line['node'])}/?at={quote(line['ts'])}"
-
-
-def wire_lines(lines, pattern=None) -> list[WireLine]:
-    """Stored lines (LogLine rows, or read_page's named rows) in the shape the API and the
-    websocket send; `hl` when a text filter is set."""
-    from fleet.models import Node
-    from jobs.logquery import highlights
-    from jobs.models import Attempt, Severity, Stream
-
-    names = dict(Node.objects.filter(pk__in={line.node_id for line in lines}).values_list("pk", "name"))
-    numbers = dict(Attempt.objects.filter(pk__in={line.attempt_id for line in lines}).values_list("pk", "number"))
-    streams, severities = dict(Stream.choices), dict(Severity.choices)
-    out: list[WireLine] = []
-    for line in lines:
-        wire: WireLine = {
-            "attempt": line.attempt_id,
-            "attempt_number": numbers.get(line.attempt_id),
-            "seq": line.seq,
-            "ts": line.ts.isoformat(),
-            "node": names.get(line.node_id),
-            "rank": line.rank,
-            "stream": streams[line.stream],
-            "severity": severities[line.severity],
-            "fault": line.fault,
-            "text": line.text,
-        }
-        if pattern is not None:
-            wire["hl"] = highlights(pattern, line.text)
-        out.append(wire)
-    return out

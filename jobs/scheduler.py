@@ -7,10 +7,8 @@ IMMEDIATE transaction is the write lock), reads what live attempts hold only
 after taking the lock, and a job leaves `queued` by a conditional update.
 """
 
-import atexit
 import logging
 import os
-import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -47,13 +45,13 @@ from jobs.policy import (  # noqa: F401  (place and friends are this module's pu
     place,
     plan,
 )
+from portal.celery import app
 from portal.models import Project
 
 log = logging.getLogger("hangar.scheduler")
 
 PASS_LIMIT = 20000  # queued jobs looked at in one pass
 CHUNK = 500
-WAKEUP_COALESCE_SECONDS = 0.05
 WAKEUP_CLOCK_MARGIN = 0.5
 
 last_pass_started = 0.0  # wall clock: when the last completed pass of this process began
@@ -253,13 +251,12 @@ def preempt(attempt_id: int, reason: str) -> bool:
 
 
 def dispatch(attempt_id: int, queue: str, rank: int = 0) -> None:
-    from jobs.tasks import run_attempt
-
+    """Wake the node's agent to start that rank (agent/tasks.py, sent by name)."""
     if settings.HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH:
         # Drill-only fault: the placement is committed, its wake-up never sent.
         log.error("fault injected: the scheduler dies before publishing attempt %s", attempt_id)
         os._exit(137)
-    run_attempt.apply_async(args=[attempt_id, rank], queue=queue)
+    app.send_task("hangar.run_attempt", args=[attempt_id, rank], queue=queue)
 
 
 def reconcile() -> None:
@@ -267,69 +264,6 @@ def reconcile() -> None:
     Node.mark_silent_offline()
     for attempt in Attempt.expire_leases() + Attempt.expire_unstarted():
         log.warning("attempt %s of job %s ended as lost: %s", attempt.number, attempt.job_id, attempt.reason)
-
-
-def request_pass() -> None:
-    """Ask the scheduler for a pass as soon as the current transaction commits.
-
-    Only a wake-up: if the broker is unreachable the periodic pass places the
-    work, so a failed send is logged, never raised into the caller.
-    """
-    transaction.on_commit(send_pass_request)
-
-
-def send_pass_request() -> None:
-    """Flag that a wake-up is wanted; this process's waker thread sends it."""
-    _waker.request()
-
-
-class Waker:
-    """Sends this process's wake-ups to the scheduler from one thread of its own, so a
-    request never waits on the broker (and the Celery result backend, one per thread,
-    is made once). After each send it rests WAKEUP_COALESCE_SECONDS: a burst of submits
-    costs a few passes, not one each, and a flag raised after a send began is answered
-    by the next send, so every commit is still followed by a wake-up."""
-
-    def __init__(self):
-        self.wanted = threading.Event()
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-
-    def request(self) -> None:
-        self.wanted.set()
-        if self.thread is None or not self.thread.is_alive():
-            with self.lock:
-                if self.thread is None or not self.thread.is_alive():
-                    self.thread = threading.Thread(target=self.run, name="scheduler-wakeup", daemon=True)
-                    self.thread.start()
-
-    def run(self) -> None:
-        while True:
-            self.wanted.wait()
-            self.wanted.clear()
-            _publish_wakeup()
-            time.sleep(WAKEUP_COALESCE_SECONDS)
-
-    def flush(self) -> None:
-        """At exit: send a wake-up still wanted (a short command that submitted work)."""
-        if self.wanted.is_set():
-            self.wanted.clear()
-            _publish_wakeup()
-
-
-_waker = Waker()
-# A forked child (a worker pool) starts with no waker thread and fresh locks.
-os.register_at_fork(after_in_child=_waker.__init__)
-atexit.register(lambda: _waker.flush())
-
-
-def _publish_wakeup() -> None:
-    from jobs.tasks import schedule
-
-    try:
-        schedule.apply_async(kwargs={"requested_at": time.time()}, queue="hangar.scheduler")
-    except Exception as exc:
-        log.warning("scheduling pass not requested (the periodic pass will run): %s", exc)
 
 
 # --- the queue as users see it ----------------------------------------------------

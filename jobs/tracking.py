@@ -17,8 +17,11 @@ import threading
 
 from celery.signals import worker_ready
 from django.conf import settings
+from django.db import transaction
+from django.dispatch import receiver
 
 from jobs.models import Job, JobCost
+from jobs.signals import attempt_finished as attempt_ended
 
 log = logging.getLogger("hangar.tracking")
 
@@ -138,6 +141,12 @@ def job_env(job: Job, attempt) -> dict[str, str]:
         "MLFLOW_EXPERIMENT_ID": job.mlflow_experiment_id,
         "MLFLOW_RUN_ID": job.mlflow_run_id,
     }
+
+
+@receiver(attempt_ended)
+def _close_run_after_commit(sender, attempt, **kwargs) -> None:
+    job_id = attempt.job_id
+    transaction.on_commit(lambda: attempt_finished(job_id))
 
 
 def attempt_finished(job_id: int) -> None:

@@ -1,6 +1,7 @@
 from django.contrib import messages
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
+from rest_framework.exceptions import ValidationError
 
 from jobs.api.serializers import JobSubmitSerializer
 from jobs.api.views import can_cancel, movable_jobs, queue_state
@@ -22,12 +23,15 @@ def submit(request):
     form = JobForm(request.user, request.POST or None)
     if request.method == "POST" and form.is_valid():
         serializer = JobSubmitSerializer(data=form.api_data(), context={"request": request})
-        if serializer.is_valid():
+        try:
+            serializer.is_valid(raise_exception=True)
             job = serializer.save()
+        except ValidationError as refused:
+            form.add_api_errors(refused.detail)
+        else:
             messages.success(request, f"Job {job.pk} submitted.")
             warn_budget(request, job.project)
             return redirect("job-detail", pk=job.pk)
-        form.add_api_errors(serializer.errors)
     return render(request, "jobs/job_submit.html", {"form": form})
 
 

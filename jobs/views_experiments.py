@@ -3,22 +3,26 @@
 from django.contrib import messages
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
+from rest_framework.exceptions import ValidationError
 
 from jobs import reproduce, tracking
 from jobs.api.serializers import JobSubmitSerializer
 from jobs.models import JobCost
 from jobs.views import visible_job
+from portal.api.shape import flatten
 
 
 @require_POST
 def run_again(request, pk: int):
     job = visible_job(request, pk)
     serializer = JobSubmitSerializer(data=reproduce.clone_data(job), context={"request": request})
-    if not serializer.is_valid():
-        problems = "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in serializer.errors.items())
+    try:
+        serializer.is_valid(raise_exception=True)
+        clone = serializer.save()
+    except ValidationError as refused:
+        problems = "; ".join(f"{e['field']}: {e['message']}" for e in flatten(refused.detail))
         messages.error(request, f"Could not run job {job.pk} again: {problems}")
         return redirect("job-detail", pk=job.pk)
-    clone = serializer.save()
     messages.success(request, f"Job {clone.pk} submitted: the spec of job {job.pk} run again.")
     return redirect("job-detail", pk=clone.pk)
 

@@ -64,7 +64,10 @@ app.conf.update(
     task_serializer="json",
     accept_content=["json"],
 )
-app.autodiscover_tasks()
+# Only the scheduler's tasks are found by name here: the agent's (agent/tasks.py) are
+# registered by `manage.py agent` alone, and every sender names the task it sends, so
+# neither the web nor the scheduler process loads the agent's runtime.
+app.autodiscover_tasks(["jobs"])
 
 
 @app.task(name="hangar.ping", ignore_result=False)

@@ -5,6 +5,8 @@ from django.contrib.auth.views import redirect_to_login
 from django.db import InterfaceError, OperationalError
 from django.http import HttpResponse, JsonResponse
 
+from portal.api.shape import error_body
+
 log = logging.getLogger("hangar.web")
 
 # Paths that answer anonymous requests themselves: the API (401 in JSON), the
@@ -53,8 +55,6 @@ Reload this page in a few seconds.</p></body></html>
 
 
 def database_unavailable(request) -> HttpResponse:
-    from portal.api.errors import error_body
-
     log.warning("%s %s: database unavailable, answered 503", request.method, request.path)
     if request.path.startswith("/api/"):
         errors = [{"field": "", "message": "the database is unavailable; retry shortly"}]

@@ -98,6 +98,7 @@ INSTALLED_APPS = [
     "portal",
     "fleet",
     "jobs",
+    "agent",
 ]
 
 MIDDLEWARE = [
@@ -338,7 +339,7 @@ HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 # Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
 # "hangar-job"). Unset: as the agent's own user (an agent running as root warns).
 # The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run
-# the jobs' programs; the agent makes each job's directory its own (jobs/environments.py).
+# the jobs' programs; the agent makes each job's directory its own (agent/environments.py).
 HANGAR_JOB_USER = env_str("HANGAR_JOB_USER")
 
 

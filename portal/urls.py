@@ -15,8 +15,7 @@ handler404 = "portal.api.errors.not_found"
 handler500 = "portal.api.errors.crashed"
 
 urlpatterns = [
-    path("", views.dashboard, name="dashboard"),
-    path("dashboard/panels/", views.dashboard_panels, name="dashboard-panels"),
+    path("", include("jobs.urls_dashboard")),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("jobs/", include("jobs.urls")),

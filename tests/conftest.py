@@ -3,55 +3,9 @@
 import os
 
 import pytest
-from django.contrib.auth import get_user_model
-from rest_framework.test import APIClient
 
-from fleet.models import GPU, Node
-from jobs.models import Attempt, Job
-from portal.livestack import ServicesDatabase
-from portal.models import ApiToken, Membership, Project, Role
-
-
-def make_user(username: str, **extra):
-    return get_user_model().objects.create_user(username=username, password="pw-" + username, **extra)
-
-
-def make_project(slug: str, **members) -> Project:
-    project = Project.objects.create(slug=slug, name=slug.title())
-    for role, user in members.items():
-        Membership.objects.create(project=project, user=user, role=role)
-    return project
-
-
-def make_node(name: str = "node-a", gpus: int = 4, model: str = "H100", **fields) -> Node:
-    from django.utils import timezone
-
-    node = Node.objects.create(
-        name=name, gpu_model=model, gpu_count=gpus, simulated=True, last_heartbeat_at=timezone.now(), **fields
-    )
-    for index in range(gpus):
-        GPU.objects.create(node=node, index=index, uuid=f"GPU-{name}-{index}", model=model, memory_total_mb=81559)
-    return node
-
-
-def make_job(project: Project, user, **fields) -> Job:
-    fields = {"name": "train", "command": ["python", "train.py"], "max_runtime_seconds": 3600, **fields}
-    return Job.objects.create(project=project, submitted_by=user, **fields)
-
-
-def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None = None, **fields) -> Attempt:
-    """An attempt in `state`, with its job moved to the matching state."""
-    Job.objects.filter(pk=job.pk).update(state=state)
-    number = job.attempts.count() + 1
-    return Attempt.objects.create(
-        job=job,
-        number=number,
-        node=node,
-        state=state,
-        gpu_indices=gpu_indices or [0],
-        queued_at=job.queued_at,
-        **fields,
-    )
+from portal.models import Role
+from tests.factories import make_node, make_project, make_user
 
 
 @pytest.fixture(autouse=True)
@@ -101,14 +55,6 @@ def node(db):
     return make_node()
 
 
-def api_client(user=None) -> APIClient:
-    client = APIClient()
-    if user is not None:
-        _, raw = ApiToken.issue(user, "test")
-        client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
-
-
 @pytest.fixture
 def roles(db) -> dict:
     """One user per role in project `lab`, and an outsider who is only in project `other`."""
@@ -119,19 +65,10 @@ def roles(db) -> dict:
     return users
 
 
-def token_client(user, project: Project | None = None, read_only: bool = False) -> APIClient:
-    """A client authenticated by a token that may be limited to one project and to reading."""
-    client = APIClient()
-    _, raw = ApiToken.issue(user, "test", project=project, read_only=read_only)
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
-
-
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium driven by Playwright (one per test module: Playwright's sync API holds an
     event loop while it lives); missing Chromium fails under CI, skips elsewhere."""
-    import os
     from pathlib import Path
 
     from tests.browsing import CHROMIUM, CHROMIUM_FLAGS
@@ -146,14 +83,3 @@ def browser():
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         yield browser
         browser.close()
-
-
-def services_database() -> ServicesDatabase:
-    """PostgreSQL + Redis for a services-mode stack: skipped with the reason where they are
-    not reachable, a failure under CI (CI=true), which must run them."""
-    services = ServicesDatabase()
-    if missing := services.available():
-        if os.environ.get("CI"):
-            pytest.fail(f"services mode must run in CI: {missing}")
-        pytest.skip(missing)
-    return services

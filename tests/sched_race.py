@@ -23,6 +23,7 @@ from django.utils import timezone  # noqa: E402
 from fleet.models import Node  # noqa: E402
 from jobs import scheduler  # noqa: E402
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job  # noqa: E402
+from portal import wakeup  # noqa: E402
 from portal.models import Project  # noqa: E402
 
 PASSES = 15
@@ -46,7 +47,7 @@ def setup(nodes: int, jobs: int) -> None:
 
 def race(start_at: float) -> None:
     scheduler.dispatch = lambda *args: None
-    scheduler.request_pass = lambda: None
+    wakeup.request_pass = lambda: None
     decide = scheduler.plan
 
     def slow_plan(*args, **kwargs):

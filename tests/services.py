@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from portal.livestack import die_with_parent, free_port
+from tests.livestack import die_with_parent, free_port
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 

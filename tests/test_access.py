@@ -10,7 +10,7 @@ from django.utils import timezone
 from jobs.models import Job, JobState, LogLine, Severity, Stream
 from portal.asgi import application
 from portal.models import ApiToken
-from tests.conftest import api_client, make_attempt, make_job
+from tests.factories import api_client, make_attempt, make_job
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import pytest
 
 from portal.models import ApiToken, AuditEvent, Membership, Role, Volume
-from tests.conftest import api_client, make_user, token_client
+from tests.factories import api_client, make_user, token_client
 
 
 def test_projects_list_mine_with_my_role(roles):
@@ -148,7 +148,7 @@ def test_the_tokens_page_revokes_only_your_own(client, roles):
 
 
 def test_the_audit_trail_shows_your_own_actions_and_all_to_site_admins(roles):
-    from tests.conftest import make_user as mk
+    from tests.factories import make_user as mk
 
     ApiToken.issue(roles["member"], "mine")
     ApiToken.issue(roles["admin"], "theirs")

@@ -5,7 +5,7 @@ import os
 import pytest
 from django.core.cache import cache
 
-from tests.conftest import api_client, make_job
+from tests.factories import api_client, make_job
 
 SHAPE = {"code", "message", "errors"}
 

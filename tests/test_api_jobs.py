@@ -4,7 +4,7 @@ import pytest
 
 from jobs.models import Job, JobState
 from portal.models import AuditEvent, Role, Volume
-from tests.conftest import api_client, make_attempt, make_job, make_node, token_client
+from tests.factories import api_client, make_attempt, make_job, make_node, token_client
 
 SUBMIT = {"project": "lab", "command": ["python", "train.py"]}
 
@@ -213,7 +213,7 @@ def test_an_unknown_volume_lists_the_known_ones(roles, gpus, volume):
 
 
 def test_the_job_environment_has_volumes_and_secrets(roles, gpus, volume):
-    from jobs.execution import Runner
+    from agent.runner import Runner
 
     client = api_client(roles["member"])
     job = Job.objects.get(pk=submit(client, volumes=[{"name": "imagenet"}], secret_env={"KEY": "v"}).json()["id"])

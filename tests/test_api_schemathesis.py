@@ -9,7 +9,7 @@ from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
 
 from portal.models import Role, Volume
-from tests.conftest import make_job, make_node, make_project, make_user, token_client
+from tests.factories import make_job, make_node, make_project, make_user, token_client
 
 schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", get_wsgi_application())
 

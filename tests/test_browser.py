@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from portal.livestack import LiveStack
 from tests.browsing import shoot
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from portal import cli
-from portal.livestack import BASE_DIR, LiveStack
+from hangar import cli
+from tests.livestack import BASE_DIR, LiveStack
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
@@ -162,7 +162,7 @@ def test_errors_are_clear_and_exit_codes_mean_something(hangar):
 def test_the_console_script_entry_point_runs(stack, tmp_path):
     env = {"HANGAR_URL": stack.url, "HANGAR_TOKEN": stack.token, "HANGAR_CONFIG": str(tmp_path / "c.json"), "PATH": ""}
     done = subprocess.run(
-        [PY, "-m", "portal.cli", "--json", "nodes"], capture_output=True, text=True, env=env, timeout=60, cwd=BASE_DIR
+        [PY, "-m", "hangar.cli", "--json", "nodes"], capture_output=True, text=True, env=env, timeout=60, cwd=BASE_DIR
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[0]["name"] == "node-a"
@@ -170,7 +170,7 @@ def test_the_console_script_entry_point_runs(stack, tmp_path):
 
 def test_the_cli_never_loads_the_database_layer():
     probe = (
-        "import sys, portal.cli; print(sorted(m for m in sys.modules if m.startswith(('django.db', 'jobs', 'fleet'))))"
+        "import sys, hangar.cli; print(sorted(m for m in sys.modules if m.startswith(('django.db', 'jobs', 'fleet'))))"
     )
     done = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=BASE_DIR, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from jobs.costs import Rate, attempt_cost, interval_cost, label_for, wasted_share
 from jobs.models import Budget, CostDaily, FailureClass, GpuRate, JobCost, JobState
-from tests.conftest import api_client, make_attempt, make_job, make_node, make_project, make_user
+from tests.factories import api_client, make_attempt, make_job, make_node, make_project, make_user
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)

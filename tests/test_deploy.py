@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from portal.livestack import BASE_DIR
+from tests.livestack import BASE_DIR
 
 
 def test_check_deploy_passes_with_production_settings(tmp_path):

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from websockets.sync.client import connect
 
-from portal.livestack import LiveStack
-from tests.conftest import services_database
+from tests.factories import services_database
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from websockets.sync.client import connect
 
-from portal.livestack import LiveStack
+from tests.livestack import LiveStack
 from tests.services import PrivatePostgres, PrivateRedis
 
 pytestmark = pytest.mark.e2e

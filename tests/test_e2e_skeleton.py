@@ -15,8 +15,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from portal.livestack import LiveStack
-from tests.conftest import services_database
+from tests.factories import services_database
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 

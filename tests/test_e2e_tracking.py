@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from portal.livestack import LiveStack
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 

@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from fleet import agent
+from agent import runner as execution
+from agent import running
 from fleet.models import GPU
-from jobs import execution, scheduler
+from jobs import scheduler
 from jobs.models import Attempt, AttemptState, FailureClass, JobState, LogLine
-from tests.conftest import make_attempt, make_job
-from tests.conftest import make_node as make_bare_node
+from tests.factories import make_attempt, make_job
+from tests.factories import make_node as make_bare_node
 
 
 @pytest.fixture(autouse=True)
 def no_agent_in_this_process():
-    agent.CURRENT = None
+    running.CURRENT = None
     yield
-    agent.CURRENT = None
+    running.CURRENT = None
 
 
 def make_node(name: str, gpus: int):
@@ -96,7 +97,7 @@ def test_a_rank_that_finds_its_attempt_already_preempted_stops_as_preempted(db, 
         preempt_requested_at=timezone.now(), state=AttemptState.PREEMPTED, reason="preempted to make room for job 9"
     )
 
-    assert runner.check_current(renew=True)
+    assert runner.poll_attempt(renew=True)
 
     assert runner.current is False
     assert (runner.stop_requested.state, runner.stop_requested.failure_class) == (
@@ -111,12 +112,12 @@ def test_a_renewal_extends_the_lease_also_while_a_cancelled_process_gets_its_gra
     Attempt.objects.filter(pk=attempt.pk).update(lease_expires_at=timezone.now())
     runner = runner_for(attempt)
 
-    assert runner.check_current(renew=True) and runner.stop_requested is None and runner.current
+    assert runner.poll_attempt(renew=True) and runner.stop_requested is None and runner.current
     renewed = Attempt.objects.get(pk=attempt.pk).lease_expires_at
     assert renewed > timezone.now()
 
     Attempt.objects.filter(pk=attempt.pk).update(cancel_requested_at=timezone.now(), lease_expires_at=timezone.now())
-    assert runner.check_current(renew=True)
+    assert runner.poll_attempt(renew=True)
     assert runner.current  # still current: it ends when its process has
     assert runner.stop_requested.state == AttemptState.CANCELLED
     assert Attempt.objects.get(pk=attempt.pk).lease_expires_at > timezone.now()
@@ -127,7 +128,7 @@ def test_a_look_without_renewal_writes_nothing(db, project, owner, node):
     Attempt.objects.filter(pk=attempt.pk).update(lease_expires_at=None)
     runner = runner_for(attempt)
 
-    assert runner.check_current(renew=False) and runner.current and runner.stop_requested is None
+    assert runner.poll_attempt(renew=False) and runner.current and runner.stop_requested is None
     assert Attempt.objects.get(pk=attempt.pk).lease_expires_at is None
 
 

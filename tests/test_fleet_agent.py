@@ -7,22 +7,23 @@ from types import SimpleNamespace
 import pytest
 from django.utils import timezone
 
-from fleet import agent as agent_module
-from fleet.agent import Agent, observe_output
+from agent import runner as execution
+from agent import running, watch
+from agent.node import Agent
+from agent.watch import observe_output
 from fleet.gpus import SimulatedProvider
 from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
-from jobs import execution
 from jobs.models import AttemptState, FailureClass, Job, JobState, Stream
-from tests.conftest import make_attempt, make_job
+from tests.factories import make_attempt, make_job
 
 
 @pytest.fixture
 def sim_agent(db):
-    agent_module._seen_in_output.clear()
+    watch._seen_in_output.clear()
     agent = Agent("sim-1", SimulatedProvider("sim-1", "H100", 4), 5.0)
     agent.register()
     yield agent
-    agent_module.CURRENT = None
+    running.CURRENT = None
 
 
 class FakeRunner:

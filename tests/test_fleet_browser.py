@@ -6,8 +6,8 @@ With HANGAR_SCREENSHOTS=DIR set, the pages are saved as PNGs.
 
 import pytest
 
-from portal.livestack import LiveStack
 from tests.browsing import shoot
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 

@@ -7,11 +7,13 @@ import time
 import pytest
 from django.utils import timezone
 
-from fleet import agent, health
+from agent import runner as execution
+from agent import running
+from fleet import health
 from fleet.models import GPU, HealthEvent
-from jobs import execution, scheduler
+from jobs import scheduler
 from jobs.models import AttemptState, FailureClass, JobState
-from tests.conftest import make_job, make_node
+from tests.factories import make_job, make_node
 
 # Exits 1 on its own a moment after it starts, like a process killed by an Xid/ECC fault
 # (the CUDA runtime aborts it) before the agent's next telemetry sample stops it.
@@ -20,9 +22,9 @@ DIES = "import time; time.sleep(1.5); raise SystemExit(1)"
 
 @pytest.fixture(autouse=True)
 def no_agent_in_this_process():
-    agent.CURRENT = None
+    running.CURRENT = None
     yield
-    agent.CURRENT = None
+    running.CURRENT = None
 
 
 @pytest.mark.parametrize(("fault_gpu", "expected"), [(0, FailureClass.INFRA), (1, FailureClass.USER)])

@@ -14,7 +14,7 @@ from fleet.consumers import FleetConsumer
 from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
 from jobs.models import AttemptState
 from portal.models import AuditEvent
-from tests.conftest import api_client, make_attempt, make_job, make_node, make_user
+from tests.factories import api_client, make_attempt, make_job, make_node, make_user
 
 
 def browser(user) -> Client:

@@ -5,20 +5,23 @@ import sys
 import pytest
 from django.utils import timezone
 
-from fleet import agent, preflight
+from agent import preflight, running
+from agent import runner as execution
+from agent.node import Agent
 from fleet.gpus import SimulatedProvider
 from fleet.models import GPU, HealthCheck, Node, NodeState
-from jobs import execution, scheduler
+from fleet.preflight import return_to_service
+from jobs import scheduler
 from jobs.models import AttemptState, FailureClass, JobState
 from portal.models import AuditEvent
-from tests.conftest import make_attempt, make_job, make_node
+from tests.factories import make_attempt, make_job, make_node
 
 
 @pytest.fixture(autouse=True)
 def no_agent_in_this_process():
-    agent.CURRENT = None
+    running.CURRENT = None
     yield
-    agent.CURRENT = None
+    running.CURRENT = None
 
 
 def healthy(node: Node) -> Node:
@@ -103,11 +106,11 @@ def test_a_healthy_node_passes_and_stays_ready(project, owner, node):
     assert HealthCheck.objects.filter(attempt=attempt, passed=True).count() == 6
 
 
-def agent_for(node: Node) -> agent.Agent:
+def agent_for(node: Node) -> Agent:
     """This test process plays the node's agent, with simulated GPUs: the stress step runs here."""
-    sim = agent.Agent(node.name, SimulatedProvider(node.name, node.gpu_model, node.gpu_count), 5.0)
+    sim = Agent(node.name, SimulatedProvider(node.name, node.gpu_model, node.gpu_count), 5.0)
     sim.node = node
-    agent.CURRENT = sim
+    running.CURRENT = sim
     return sim
 
 
@@ -117,7 +120,7 @@ def test_uncordoning_an_auto_cordoned_node_runs_a_burn_in(node, owner, settings)
     GPU.objects.filter(node=node, index=3).update(ecc_uncorrected_volatile=2)
     node.auto_cordon("Xid 48", {"xid": 48})
 
-    refused = preflight.return_to_service(node, owner, "replaced the DIMM")
+    refused = return_to_service(node, owner, "replaced the DIMM")
 
     node.refresh_from_db()
     assert not refused.done and "burn-in failed" in refused.message and "GPU 3" in refused.message
@@ -125,7 +128,7 @@ def test_uncordoning_an_auto_cordoned_node_runs_a_burn_in(node, owner, settings)
     assert AuditEvent.objects.filter(action="node.burn_in_failed", actor=owner).exists()
 
     GPU.objects.filter(node=node).update(ecc_uncorrected_volatile=0)
-    passed = preflight.return_to_service(node, owner, "replaced the DIMM")
+    passed = return_to_service(node, owner, "replaced the DIMM")
 
     node.refresh_from_db()
     assert passed.done and node.state == NodeState.READY and not node.auto_cordoned
@@ -145,7 +148,7 @@ def test_a_fault_that_shows_only_under_load_fails_the_burn_in(node, owner, setti
     node.auto_cordon("Xid 79", {"xid": 79})
     sim.provider.inject("thermal", 2, seconds=60)  # idle telemetry is fine; the stress throttles
 
-    refused = preflight.return_to_service(node, owner, "reseated the GPU")
+    refused = return_to_service(node, owner, "reseated the GPU")
 
     node.refresh_from_db()
     assert not refused.done and node.state == NodeState.CORDONED and node.auto_cordoned
@@ -156,14 +159,14 @@ def test_a_fault_that_shows_only_under_load_fails_the_burn_in(node, owner, setti
     assert audit.actor == owner and audit.detail["burn_in"]["stress"]["passed"] is False
 
     sim.provider.inject("clear")
-    assert preflight.return_to_service(node, owner, "reseated the GPU").done
+    assert return_to_service(node, owner, "reseated the GPU").done
 
 
 def test_a_burn_in_whose_node_agent_does_not_answer_fails(node, owner, settings):
     settings.HANGAR_BURN_IN_WAIT_SECONDS = 0.5  # no agent consumes this node's queue here
     healthy(node).auto_cordon("Xid 79", {"xid": 79})
 
-    refused = preflight.return_to_service(node, owner, "replaced the GPU")
+    refused = return_to_service(node, owner, "replaced the GPU")
 
     node.refresh_from_db()
     assert not refused.done and node.state == NodeState.CORDONED
@@ -171,7 +174,7 @@ def test_a_burn_in_whose_node_agent_does_not_answer_fails(node, owner, settings)
 
 
 def test_on_real_gpus_the_stress_is_a_torch_matmul_or_skipped_with_the_reason(node):
-    from fleet import stress
+    from agent import stress
 
     python, tried = stress.torch_python(stress.interpreters(node))
     passed, evidence = stress.with_torch(node, [0], 1.0)
@@ -186,7 +189,7 @@ def test_an_operator_can_override_the_burn_in_with_a_reason(node, owner):
     GPU.objects.filter(node=node).update(lost=True, sampled_at=timezone.now())
     node.auto_cordon("GPU fell off the bus")
 
-    result = preflight.return_to_service(node, owner, "known flaky sensor, vendor ticket 123", override=True)
+    result = return_to_service(node, owner, "known flaky sensor, vendor ticket 123", override=True)
 
     node.refresh_from_db()
     assert result.done and node.state == NodeState.READY
@@ -197,7 +200,7 @@ def test_an_operator_can_override_the_burn_in_with_a_reason(node, owner):
 def test_a_node_an_operator_cordoned_is_uncordoned_without_burn_in(node, owner):
     node.cordon(owner, "maintenance")
 
-    assert preflight.return_to_service(node, owner, "done").done
+    assert return_to_service(node, owner, "done").done
     node.refresh_from_db()
     assert node.state == NodeState.READY
     assert not HealthCheck.objects.filter(suite="burn-in").exists()

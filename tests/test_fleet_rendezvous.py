@@ -7,18 +7,19 @@ import threading
 import pytest
 from django.utils import timezone
 
-from fleet import agent, preflight
+from agent import preflight, running
+from agent import runner as execution
 from fleet.models import GPU, HealthCheck, NodeState
-from jobs import execution, scheduler
+from jobs import scheduler
 from jobs.models import Attempt, AttemptState, FailureClass, JobState
-from tests.conftest import make_job, make_node
+from tests.factories import make_job, make_node
 
 
 @pytest.fixture(autouse=True)
 def no_agent_in_this_process():
-    agent.CURRENT = None
+    running.CURRENT = None
     yield
-    agent.CURRENT = None
+    running.CURRENT = None
 
 
 def healthy_node(name: str):

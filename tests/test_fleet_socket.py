@@ -9,7 +9,7 @@ from asgiref.testing import ApplicationCommunicator
 
 from fleet import consumers
 from fleet.consumers import FleetConsumer
-from tests.conftest import make_node
+from tests.factories import make_node
 
 
 async def connect(user, query: str = "") -> ApplicationCommunicator:

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from fleet.models import TelemetrySample
 from jobs.models import Attempt, AttemptState
-from tests.conftest import make_attempt, make_job, make_node
+from tests.factories import make_attempt, make_job, make_node
 
 
 def browser(user) -> Client:

@@ -2,13 +2,13 @@
 
 import pytest
 
-from fleet import agent as agent_module
-from fleet.agent import Agent
+from agent import running
+from agent.node import Agent
 from fleet.gpus import SimulatedProvider
 from fleet.models import FaultInjection, Node, NodeState
 from jobs.scheduler import schedule_pass
 from portal.models import AuditEvent
-from tests.conftest import make_job
+from tests.factories import make_job
 
 
 class HangingDriver(SimulatedProvider):
@@ -27,7 +27,7 @@ def sim_agent(db):
     agent = Agent("sim-1", HangingDriver("sim-1", "H100", 2), 5.0)
     agent.register()
     yield agent
-    agent_module.CURRENT = None
+    running.CURRENT = None
 
 
 def state(agent) -> str:
@@ -134,7 +134,7 @@ def test_an_nvml_driver_error_makes_the_node_unhealthy_until_nvml_answers(db):
         nv_agent.report()
         assert state(nv_agent) == NodeState.READY
     finally:
-        agent_module.CURRENT = None
+        running.CURRENT = None
 
 
 def test_an_offline_node_whose_agent_returns_with_a_dead_driver_is_unhealthy_not_ready(sim_agent):
@@ -170,4 +170,4 @@ def test_an_nvml_gpu_that_vanished_from_the_driver_at_agent_restart_keeps_the_no
 
     node.refresh_from_db()
     assert (node.state, node.gpu_count) == (NodeState.READY, 1)
-    agent_module.CURRENT = None
+    running.CURRENT = None

@@ -2,11 +2,11 @@
 
 import pytest
 
-from fleet.agent import Agent
+from agent.node import Agent
 from fleet.gpus import GpuInfo, NvmlProvider, SimulatedProvider, detect_provider, short_model_name
 from fleet.models import GPU, Node
 from jobs.models import AttemptState, FailureClass, Job, JobState
-from tests.conftest import make_attempt, make_job
+from tests.factories import make_attempt, make_job
 from tests.fakenvml import FakeNvml, device
 
 # --- The simulator ---------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_the_straggler_is_the_node_that_throttled_most():
 @pytest.mark.parametrize("state", ["cordoned", "draining", "offline", "unhealthy"])
 def test_work_is_never_placed_on_a_node_that_is_out(project, owner, state):
     from jobs.scheduler import schedule_pass
-    from tests.conftest import make_job, make_node
+    from tests.factories import make_job, make_node
 
     make_node("out", state=state)
     make_job(project, owner)
@@ -168,7 +168,7 @@ def test_work_is_never_placed_on_a_node_that_is_out(project, owner, state):
 
 def test_draining_lets_running_work_finish(project, owner, node):
     from jobs.models import AttemptState
-    from tests.conftest import make_attempt, make_job
+    from tests.factories import make_attempt, make_job
 
     attempt = make_attempt(make_job(project, owner), node, AttemptState.RUNNING)
 

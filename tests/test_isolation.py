@@ -9,7 +9,7 @@ from django.test import Client
 
 from jobs.models import Job, JobState
 from portal.models import ApiToken, Membership, Role, Volume
-from tests.conftest import api_client, make_job, make_node, token_client
+from tests.factories import api_client, make_job, make_node, token_client
 from tests.test_access import open_socket
 
 MARKER = "lab-secret-marker"

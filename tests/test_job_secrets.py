@@ -11,10 +11,11 @@ from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 from django.utils import timezone
 
+from agent import runner as execution
 from fleet.models import GPU
-from jobs import execution, scheduler, secret_env
+from jobs import scheduler, secret_env
 from jobs.models import AttemptState, Job, LogLine
-from tests.conftest import make_job, make_node
+from tests.factories import make_job, make_node
 
 
 def stored_secret_env(job: Job) -> str:

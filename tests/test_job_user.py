@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
+from agent import runner as execution
+from agent.environments import JobUser, docker_argv
 from fleet.models import GPU
-from jobs import execution, scheduler
-from jobs.environments import JobUser, docker_argv
+from jobs import scheduler
 from jobs.models import AttemptState, Job, LogLine
-from tests.conftest import make_job, make_node
+from tests.factories import make_job, make_node
 
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="dropping to another user needs the agent to run as root")
 

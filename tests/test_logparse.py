@@ -5,7 +5,7 @@ import queue
 
 import pytest
 
-from jobs.logingest import read_lines
+from agent.output import read_lines
 from jobs.logparse import TRUNCATION_MARKER, decode_line, severity_of
 from jobs.models import Severity, Stream
 

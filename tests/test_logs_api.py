@@ -7,7 +7,7 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Job, JobState, LogLine, Severity, Stream
-from tests.conftest import api_client, make_attempt, make_job, make_node
+from tests.factories import api_client, make_attempt, make_job, make_node
 
 T0 = timezone.now() - timedelta(minutes=30)
 

@@ -27,7 +27,7 @@ SECOND_RANK = """
 import queue
 from django.utils import timezone
 from fleet.models import Node
-from jobs.logingest import LogWriter
+from agent.output import LogWriter
 from jobs.models import Attempt
 node, _ = Node.objects.get_or_create(name="node-b", defaults=dict(gpu_model="H100", gpu_count=4, state="offline"))
 attempt = Attempt.objects.get(job_id={job_id}, state="running")

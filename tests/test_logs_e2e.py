@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from portal.livestack import BASE_DIR
+from tests.livestack import BASE_DIR
 from tests.test_e2e_skeleton import follow_logs, script, stack  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +16,7 @@ EXTRA_RANK = """
 import queue, sys
 from django.utils import timezone
 from fleet.models import Node
-from jobs.logingest import LogWriter
+from agent.output import LogWriter
 from jobs.models import Attempt
 rank = {rank}
 defaults = dict(gpu_model="H100", gpu_count=1, state="offline")

@@ -8,11 +8,11 @@ import pytest
 from django.db import OperationalError
 from django.utils import timezone
 
-from jobs import logingest
-from jobs.logingest import LogWriter
+from agent import output as logingest
+from agent.output import LogWriter
 from jobs.logparse import TRUNCATION_MARKER, SeverityReader, is_fault
 from jobs.models import Attempt, LogLine, Severity, Stream
-from tests.conftest import make_attempt, make_job, make_node
+from tests.factories import make_attempt, make_job, make_node
 
 TRACEBACK = [
     ("step 3", Severity.INFO),
@@ -251,7 +251,7 @@ def spool_and_die(attempt: Attempt, lines: list[bytes], monkeypatch, settings) -
 
 @pytest.mark.django_db(transaction=True)
 def test_lines_spooled_by_an_agent_that_died_are_stored_when_its_node_agent_starts(attempt, monkeypatch, settings):
-    from fleet.agent import Agent
+    from agent.node import Agent
     from fleet.gpus import SimulatedProvider
 
     writer = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(120)], monkeypatch, settings)

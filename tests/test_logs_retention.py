@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from jobs import logretention
 from jobs.models import LogLine, Stream
-from tests.conftest import make_attempt, make_job
+from tests.factories import make_attempt, make_job
 
 
 @pytest.fixture

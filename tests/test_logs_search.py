@@ -17,7 +17,7 @@ import pytest
 from jobs import logquery
 from jobs.logquery import LogFilter, read_page
 from jobs.models import LogLine, Severity
-from tests.conftest import api_client, make_attempt, make_job, make_node, services_database
+from tests.factories import api_client, make_attempt, make_job, make_node, services_database
 
 SCRIPT = Path(__file__).with_name("log_search.py")
 

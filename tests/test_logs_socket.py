@@ -6,7 +6,7 @@ from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 
 from jobs.models import JobState, LogLine, Severity
-from tests.conftest import make_attempt, make_job, make_node
+from tests.factories import make_attempt, make_job, make_node
 from tests.test_access import LogSocket, bearer
 from tests.test_logs_api import line
 

@@ -6,7 +6,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from jobs.models import AttemptState, Job
-from tests.conftest import api_client, make_attempt, make_job, make_node
+from tests.factories import api_client, make_attempt, make_job, make_node
 
 URL = "/api/v1/queue/"
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from portal.livestack import LiveStack
-from tests.conftest import services_database
+from tests.factories import services_database
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 torch = pytest.importorskip("torch", reason="torch==2.13.0 (CPU) is in requirements-test.txt")

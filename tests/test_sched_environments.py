@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from jobs.environments import command_for, docker_argv
-from jobs.execution import rank_env
+from agent.environments import command_for, docker_argv
+from agent.runner import rank_env
 from jobs.models import Attempt, Environment, EnvironmentKind
-from tests.conftest import make_job, make_node
+from tests.factories import make_job, make_node
 
 
 def test_the_docker_command_line_for_a_rank():
@@ -82,7 +82,7 @@ def test_ranks_get_torchrun_style_variables(project, owner):
 
 
 def test_every_rank_is_told_rank_0s_host_as_master(project, owner):
-    from jobs.execution import Runner
+    from agent.runner import Runner
 
     a, b = make_node("node-a", hostname="gpu-host-a"), make_node("node-b", hostname="gpu-host-b")
     job = make_job(project, owner, nodes=2, gpus_per_node=1)
@@ -96,7 +96,7 @@ def test_every_rank_is_told_rank_0s_host_as_master(project, owner):
 
 
 def test_a_rank_that_aborts_at_exit_gets_the_barrier_hint():
-    from jobs.execution import abort_hint
+    from agent.runner import abort_hint
 
     assert "dist.barrier()" in abort_hint(-6, world_size=2)
     assert "dist.barrier()" in abort_hint(134, world_size=2)

@@ -5,7 +5,7 @@ from django.utils import timezone
 
 from jobs.models import Attempt, AttemptState, Environment, FailureClass, Job, JobEvent, JobState
 from jobs.scheduler import schedule_pass
-from tests.conftest import api_client, make_attempt, make_job, make_node
+from tests.factories import api_client, make_attempt, make_job, make_node
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from portal.livestack import POSTGRES_ADMIN_URL
+from tests.livestack import POSTGRES_ADMIN_URL
 
 SCRIPT = Path(__file__).with_name("sched_race.py")
 

@@ -14,7 +14,7 @@ from fleet.models import Node, NodeState
 from jobs.models import Attempt, AttemptState, FailureClass, Job, JobEvent, JobState, Priority
 from jobs.scheduler import FreeNode, Request, place, reconcile, schedule_pass
 from portal.models import AuditEvent
-from tests.conftest import make_attempt, make_job, make_node
+from tests.factories import make_attempt, make_job, make_node
 
 # --- place: the pure decision ---------------------------------------------------
 
@@ -352,11 +352,11 @@ def test_a_finished_attempt_does_not_block_a_new_one(project, owner, node):
 @pytest.fixture
 def wakeups(monkeypatch) -> list[float]:
     """Wake-ups as they leave for the broker (the edge of this process), from a new waker."""
-    from jobs import scheduler
+    from portal import wakeup
 
     sent: list[float] = []
-    monkeypatch.setattr(scheduler, "_publish_wakeup", lambda: sent.append(time.monotonic()))
-    monkeypatch.setattr(scheduler, "_waker", scheduler.Waker())
+    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda: sent.append(time.monotonic()))
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
     return sent
 
 
@@ -369,36 +369,36 @@ def wait_for(condition, seconds: float = 5.0) -> None:
 
 def settled(wakeups: list[float]) -> int:
     """How many wake-ups have left, once none has for three coalescing windows."""
-    from jobs import scheduler
+    from portal import wakeup
 
     while True:
         count = len(wakeups)
-        time.sleep(scheduler.WAKEUP_COALESCE_SECONDS * 3)
+        time.sleep(wakeup.WAKEUP_COALESCE_SECONDS * 3)
         if len(wakeups) == count:
             return count
 
 
 def test_a_burst_of_wakeups_sends_one_at_once_and_one_trailing(wakeups):
-    from jobs import scheduler
+    from portal import wakeup
 
     asked = time.monotonic()
     for _ in range(20):
-        scheduler.send_pass_request()
+        wakeup.send_pass_request()
     wait_for(lambda: wakeups)
     assert wakeups[0] - asked < 1.0  # the first goes at once
     # The rest share the first (asked before it left) or one trailing send.
     before = settled(wakeups)
     assert before in (1, 2)
-    scheduler.send_pass_request()
+    wakeup.send_pass_request()
     assert settled(wakeups) == before + 1
     gaps = [later - earlier for earlier, later in itertools.pairwise(wakeups)]
-    assert min(gaps) >= scheduler.WAKEUP_COALESCE_SECONDS * 0.9
+    assert min(gaps) >= wakeup.WAKEUP_COALESCE_SECONDS * 0.9
 
 
 def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
     """Asking never waits on the broker, and a flag raised during a slow send is
     answered by a later send (its commit may have come after the first one left)."""
-    from jobs import scheduler
+    from portal import wakeup
 
     sending, sent = threading.Event(), []
 
@@ -407,12 +407,12 @@ def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
         sending.set()
         time.sleep(1.0)
 
-    monkeypatch.setattr(scheduler, "_publish_wakeup", slow_publish)
-    monkeypatch.setattr(scheduler, "_waker", scheduler.Waker())
-    scheduler.send_pass_request()
+    monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    wakeup.send_pass_request()
     assert sending.wait(5)
     asked = time.monotonic()
-    scheduler.send_pass_request()
+    wakeup.send_pass_request()
     assert time.monotonic() - asked < 0.5  # the caller did not wait for the slow send
     wait_for(lambda: len(sent) == 2)
     assert sent[1] >= asked

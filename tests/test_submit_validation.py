@@ -4,7 +4,7 @@ import pytest
 
 from jobs.models import Job, JobEvent, JobState
 from portal.models import Membership, Role
-from tests.conftest import api_client, make_node, make_user
+from tests.factories import api_client, make_node, make_user
 
 URL = "/api/v1/jobs/"
 

@@ -4,10 +4,10 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from agent.runner import Runner
 from jobs import reproduce, tracking
-from jobs.execution import Runner
 from jobs.models import Environment, Job, JobCost
-from tests.conftest import api_client, make_attempt, make_job
+from tests.factories import api_client, make_attempt, make_job
 
 
 @pytest.fixture

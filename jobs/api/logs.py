@@ -21,8 +21,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs.api.views import int_param
-from jobs.logquery import LogFilter, LogFilterError, read_page
-from jobs.messages import wire_lines
+from jobs.logquery import LogFilter, LogFilterError, read_page, wire_lines
 from jobs.models import FINAL_JOB_STATES, Job
 
 LOG_PAGE_MAX = 5000

@@ -1,15 +1,11 @@
 import copy
 import re
 
-from django.conf import settings
-from django.db import transaction
 from rest_framework import serializers
 
-from jobs.api.capacity import node_sizes
-from jobs.api.costs import check_budget
-from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
-from jobs.scheduler import request_pass
-from portal.models import Project, Role, VolumeMode
+from jobs.models import Attempt, Job
+from jobs.submission import submit_job
+from portal.models import VolumeMode
 
 SECRET_MASK = "********"
 DATETIME = serializers.DateTimeField()  # formats as the API's datetimes do (ISO 8601, Z for UTC)
@@ -123,54 +119,7 @@ class JobSubmitSerializer(serializers.Serializer):
             raise serializers.ValidationError(
                 {name: f"is not a job field; known fields are {', '.join(self.fields)}" for name in unknown}
             )
-        self.check_capacity(attrs)
-        self.check_volumes(attrs)
-        attrs["priority"] = self.check_priority(attrs["project"], attrs.get("priority") or "")
-        limit = attrs["project"].max_gpus_per_job
-        if limit is not None and attrs["gpus_per_node"] * attrs["nodes"] > limit:
-            total, slug = attrs["gpus_per_node"] * attrs["nodes"], attrs["project"].slug
-            raise serializers.ValidationError(
-                {"gpus_per_node": f"asks for {total} GPUs; project {slug} allows at most {limit} a job"}
-            )
-        self.warnings = [w for w in [check_budget(attrs["project"])] if w]
         return attrs
-
-    def check_priority(self, project: Project, name: str) -> str:
-        """The project's default class, or the one asked for if this user may use it."""
-        classes = priority_classes()
-        name = name or project.default_priority
-        if name not in classes:
-            raise serializers.ValidationError(
-                {"priority": f"{name} is not a priority class; use one of {', '.join(classes)}"}
-            )
-        ceiling = priority_class(project.max_member_priority)
-        if classes[name].rank > ceiling.rank and not self.is_manager(project):
-            allowed = ", ".join(n for n, c in classes.items() if c.rank <= ceiling.rank)
-            raise serializers.ValidationError(
-                {"priority": f"{name} needs a manager of {project.slug}; members may use {allowed}"}
-            )
-        return name
-
-    def is_manager(self, project: Project) -> bool:
-        user = self.context["request"].user
-        return Project.objects.with_role(user, Role.MANAGER).filter(pk=project.pk).exists()
-
-    def validate_environment(self, name: str) -> Environment | None:
-        if not name:
-            return None
-        environment = Environment.objects.filter(name=name).first()
-        if environment is None:
-            known = ", ".join(Environment.objects.values_list("name", flat=True)) or "none"
-            raise serializers.ValidationError(f"no environment {name!r}; environments: {known}")
-        return environment
-
-    def validate_project(self, slug: str) -> Project:
-        user = self.context["request"].user
-        project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).first()
-        if project is None:
-            mine = ", ".join(Project.objects.with_role(user, Role.MEMBER).values_list("slug", flat=True)) or "none"
-            raise serializers.ValidationError(f"no project {slug!r} that you can submit to; your projects: {mine}")
-        return project
 
     def validate_env(self, env: dict) -> dict:
         return check_env_names(env)
@@ -182,82 +131,12 @@ class JobSubmitSerializer(serializers.Serializer):
             raise serializers.ValidationError(f"{', '.join(both)} is also in env; give each variable in one of them")
         return env
 
-    def check_volumes(self, attrs) -> None:
-        """Each volume must exist in the project and the user's role must grant its mode."""
-        wanted = attrs.get("volumes") or []
-        project = attrs.get("project")
-        if not wanted or project is None:
-            return
-        role = Project.objects.role_of(self.context["request"].user, project)
-        known = {v.name: v for v in project.volumes.all()}
-        granted = []
-        for index, request in enumerate(wanted):
-            volume = known.get(request["name"])
-            field = f"volumes[{index}].name"
-            if volume is None:
-                names = ", ".join(known) or "none registered"
-                raise serializers.ValidationError(
-                    {field: f"project {project} has no volume {request['name']!r}; its volumes: {names}"}
-                )
-            if not volume.allows(role, request["mode"]):
-                writing = request["mode"] == VolumeMode.READ_WRITE
-                needed = volume.write_role if writing else volume.read_role
-                fix = "; ask for mode ro" if writing else "; ask a project admin for a higher role"
-                message = (
-                    f"mounting {volume.name} {request['mode']} needs the {needed} role in {project}; you are {role}"
-                )
-                raise serializers.ValidationError({field: message + fix})
-            granted.append(
-                {"name": volume.name, "path": volume.path, "mode": request["mode"], "version": volume.version}
-            )
-        attrs["volumes"] = granted
-
-    def check_capacity(self, attrs) -> None:
-        gpus, gpu_type = attrs["gpus_per_node"], attrs.get("gpu_type", "")
-        every = node_sizes()
-        sizes = [count for model, count in every if not gpu_type or model == gpu_type]
-        largest, big_enough = max(sizes, default=0), sum(1 for count in sizes if count >= gpus)
-        if gpu_type and not largest:
-            types = ", ".join(sorted({model for model, _ in every})) or "none registered"
-            raise serializers.ValidationError({"gpu_type": f"no node has {gpu_type} GPUs; GPU types: {types}"})
-        if gpus > largest:
-            where = f"the largest {gpu_type} node" if gpu_type else "the largest node"
-            raise serializers.ValidationError(
-                {"gpus_per_node": f"gpus_per_node={gpus} but {where} has {largest}; ask for at most {largest}"}
-            )
-        if attrs["nodes"] > big_enough:
-            kind = f"{gpu_type} " if gpu_type else ""
-            raise serializers.ValidationError(
-                {"nodes": f"nodes={attrs['nodes']} but only {big_enough} {kind}nodes have {gpus} GPUs; ask for fewer"}
-            )
-
-    def create(self, validated) -> Job:
-        command = validated["command"]
-        with transaction.atomic():
-            job = Job.objects.create(
-                project=validated["project"],
-                submitted_by=self.context["request"].user,
-                name=validated.get("name") or command[0].rsplit("/", 1)[-1],
-                command=command,
-                env=validated.get("env", {}),
-                secret_env=validated.get("secret_env", {}),
-                volumes=validated.get("volumes", []),
-                idempotency_key=validated.get("idempotency_key", ""),
-                gpus_per_node=validated["gpus_per_node"],
-                nodes=validated["nodes"],
-                gpu_type=validated.get("gpu_type", ""),
-                priority=validated["priority"],
-                preemptible=validated.get("preemptible"),
-                max_retries=validated["max_retries"],
-                environment=validated.get("environment"),
-                max_runtime_seconds=validated.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
-                code_version=validated.get("code_version", ""),
-                config=validated.get("config") or {},
-                data_refs=validated.get("data_refs", []),
-            )
-            JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
-            request_pass()
-        return job
+    def save(self, **kwargs) -> Job:
+        """Submit the checked request as the request's user (jobs/submission.py decides and creates)."""
+        submitted = submit_job(self.context["request"].user, self.validated_data)
+        self.warnings = submitted.warnings
+        self.instance = submitted.job
+        return submitted.job
 
 
 class AttemptSerializer(serializers.ModelSerializer):

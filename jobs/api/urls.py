@@ -4,12 +4,13 @@ from rest_framework.routers import SimpleRouter
 from jobs.api.costs import CostJobsView, CostSummaryView
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
-from jobs.api.views import JobViewSet, QueueView
+from jobs.api.views import JobViewSet, PriorityListView, QueueView
 
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="api-job")
 urlpatterns = [
     path("queue/", QueueView.as_view(), name="api-queue"),
+    path("priorities/", PriorityListView.as_view(), name="api-priorities"),
     path("jobs/<int:pk>/logs/", JobLogsView.as_view(), name="api-job-logs"),
     path("jobs/<int:pk>/logs/download/", JobLogDownloadView.as_view(), name="api-job-logs-download"),
     path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="api-job-metrics"),

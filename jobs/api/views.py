@@ -1,3 +1,5 @@
+from dataclasses import asdict
+
 from django.db import IntegrityError
 from django.db.models import Q
 from drf_spectacular.types import OpenApiTypes
@@ -10,7 +12,7 @@ from rest_framework.views import APIView
 
 from jobs import reproduce
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
-from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState
+from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState, priority_classes
 from jobs.scheduler import queue_report
 from portal.models import Project, Role
 
@@ -212,6 +214,21 @@ class QueueView(APIView):
     @extend_schema(parameters=[OpenApiParameter("project", str)], responses=OpenApiTypes.OBJECT)
     def get(self, request):
         return Response(queue_state(request.user, request.query_params.get("project", "")))
+
+
+class PriorityClassSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    rank = serializers.IntegerField(help_text="Higher goes first.")
+    may_preempt = serializers.BooleanField()
+    preemptible = serializers.BooleanField()
+
+
+class PriorityListView(APIView):
+    """GET /api/v1/priorities/: the configured priority classes (HANGAR_PRIORITY_CLASSES), highest first."""
+
+    @extend_schema(responses=PriorityClassSerializer(many=True))
+    def get(self, request):
+        return Response([asdict(c) for c in priority_classes().values()])
 
 
 def can_cancel(user, job: Job) -> bool:

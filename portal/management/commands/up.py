@@ -8,13 +8,13 @@ import subprocess
 import sys
 import time
 
+from django.apps import apps
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from fleet.models import Node
 from portal.models import Membership, Project, Role
 from portal.webserver import listening_sockets
 
@@ -132,7 +132,8 @@ def wait_for_port(host: str, port: int, children: dict[str, subprocess.Popen], t
 
 def wait_for_agent(since, children: dict[str, subprocess.Popen], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while not Node.objects.filter(last_heartbeat_at__gte=since).exists():
+    nodes = apps.get_model("fleet", "Node")  # by name: the project imports no app module
+    while not nodes.objects.filter(last_heartbeat_at__gte=since).exists():
         check_alive(children)
         if time.monotonic() > deadline:
             raise CommandError(f"the node agent did not register within {timeout:.0f}s")

@@ -5,9 +5,9 @@ from celery.signals import worker_shutting_down
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from fleet.agent import Agent, default_node_name
+from agent import runner, tasks  # noqa: F401  (tasks: registers what this worker consumes)
+from agent.node import Agent, default_node_name
 from fleet.gpus import SIMULATED_MODELS, detect_provider
-from jobs import execution
 from jobs.models import Environment
 from portal.celery import app
 
@@ -51,7 +51,7 @@ class Command(BaseCommand):
             self.stderr.write(f"unknown environments ignored: {', '.join(unknown)} (define them in the admin)")
         stop = threading.Event()
         threading.Thread(target=agent.heartbeat_forever, args=(stop,), daemon=True, name="heartbeat").start()
-        worker_shutting_down.connect(lambda **kw: execution.stop_all("the node's agent shut down"), weak=False)
+        worker_shutting_down.connect(lambda **kw: runner.stop_all("the node's agent shut down"), weak=False)
         app.worker_main(
             [
                 "--quiet",

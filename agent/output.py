@@ -1,4 +1,5 @@
-"""From a job's pipes to stored log lines: reading, parsing, batching, storing.
+"""From a job's pipes to stored log lines, on the node: reading, parsing, batching, spooling.
+(Storing a batch, the part the server side shares, is jobs/logstore.py.)
 
 Lines are stored first and pushed as a hint after, so a viewer never misses
 one: it reads the database from its cursor.
@@ -11,8 +12,9 @@ each batch takes the seq numbers right after the last stored one and commits
 before the next batch can take any. A reader's cursor therefore never skips a
 range that commits later.
 
-The job's pipes are never blocked by storage: reader threads only put lines on
-an unbounded queue, and while the database is unreachable the writer moves
+Reader threads put lines on a bounded queue: a job printing faster than the
+database stores is held to its pace (its pipe fills) instead of the agent's
+memory growing with the backlog. While the database is unreachable the writer moves
 whatever arrives to a spool file on local disk and sends it, in order, once
 the database answers again. A spool left behind by an agent that died is sent
 by the node's next agent when it starts (replay_spools).
@@ -29,29 +31,24 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, connection, transaction
-from django.db.models import Max
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from fleet.agent import observe_output
+from agent.watch import observe_output
 from jobs.logparse import SeverityReader, decode_line, is_fault
+from jobs.logstore import AttemptNotCurrent, NewLine, store_lines
 from jobs.messages import LogAppendedHint, job_group
-from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine, Severity, Stream
+from jobs.models import Attempt, Severity, Stream
 
 log = logging.getLogger("hangar.agent")
 
 MAX_BATCH = 5000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
-COPY_MIN_ROWS = 64  # below this a multi-row INSERT is as fast as COPY
-COPY_COLUMNS = (
-    "job_id", "attempt_id", "node_id", "rank", "rank_seq", "seq", "stream", "severity", "fault", "ts", "text"
-)  # fmt: skip
 
 
 READ_BYTES = 64 * 1024
@@ -101,86 +98,6 @@ class LineSplitter:
     def end(self) -> list[tuple[bytes, bool]]:
         """The last line when the stream did not end with a newline."""
         return [(self.tail, False)] if self.tail else []
-
-
-@dataclass(slots=True)
-class NewLine:
-    """A parsed line on its way to the database: a LogLine's fields, without the cost of a model instance."""
-
-    job_id: int
-    attempt_id: int
-    node_id: int | None
-    rank: int
-    stream: int
-    severity: int
-    fault: bool
-    ts: datetime
-    text: str
-    rank_seq: int  # the line's number in its rank's output, given by the writer: what makes a resend recognisable
-    seq: int = 0
-
-    def columns(self, ts) -> tuple:
-        """The values for COPY_COLUMNS, with the timestamp as the database driver wants it."""
-        fields = (self.job_id, self.attempt_id, self.node_id, self.rank, self.rank_seq, self.seq)
-        return (*fields, self.stream, self.severity, self.fault, ts, self.text)
-
-
-class AttemptNotCurrent(Exception):
-    """The attempt ended (or was never started): its lines are refused."""
-
-
-def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True) -> int:
-    """Number and insert one batch of an attempt's lines, skipping those already stored; returns the last seq.
-
-    Raises AttemptNotCurrent when the attempt no longer takes lines: when it is
-    not started (current_only, a live writer's fence) or does not exist.
-    """
-    with transaction.atomic():
-        # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
-        # attempt that is being ended waits for (or refuses) this batch.
-        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
-        if current_only:
-            fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
-        if not (job_id := fenced.values_list("job_id", flat=True).first()):
-            raise AttemptNotCurrent(attempt_id)
-        rows = unstored(attempt_id, rows)
-        last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
-        for offset, row in enumerate(rows, start=1):
-            row.seq = last + offset
-        if rows:
-            insert_rows(rows)
-    return last + len(rows)
-
-
-def unstored(attempt_id: int, rows: list[NewLine]) -> list[NewLine]:
-    """The rows not stored yet. A rank's lines are stored in rank_seq order under the attempt's
-    lock, so what is stored of a rank is a prefix: everything up to its highest rank_seq."""
-    stored_up_to = {}
-    for rank in {row.rank for row in rows}:
-        # ORDER BY ... LIMIT 1 walks the (attempt, rank, rank_seq) index backwards on both databases.
-        mine = LogLine.objects.filter(attempt_id=attempt_id, rank=rank).order_by("-rank_seq")
-        stored_up_to[rank] = mine.values_list("rank_seq", flat=True).first() or 0
-    return [row for row in rows if row.rank_seq > stored_up_to[row.rank]]
-
-
-def insert_rows(rows: list) -> None:
-    """Bulk insert: COPY on PostgreSQL for large batches, one prepared multi-row INSERT elsewhere.
-
-    Rows go in as plain tuples: building model instances' SQL per row costs
-    more than the insert itself.
-    """
-    table = LogLine._meta.db_table
-    if connection.vendor == "postgresql" and len(rows) >= COPY_MIN_ROWS:
-        with connection.cursor() as cursor:
-            with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
-                for r in rows:
-                    copy.write_row(r.columns(r.ts))
-        return
-    adapt = connection.ops.adapt_datetimefield_value
-    values = [r.columns(adapt(r.ts)) for r in rows]
-    placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
-    with connection.cursor() as cursor:
-        cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)
 
 
 class Spool:

@@ -18,14 +18,16 @@ from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
+from agent import running, stress  # noqa: F401  (stress: its receiver runs the burn-in step here)
+from agent.output import replay_spools
+from agent.watch import handle_finding
 from fleet import health
 from fleet.gpus import GpuProvider, GpuSample
-from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
+from fleet.models import GPU, FaultInjection, Node, NodeState, TelemetrySample
+from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream
 
 log = logging.getLogger("hangar.agent")
 
-# The agent of this process, if it is an agent process: preflight asks its provider.
-CURRENT: "Agent | None" = None
 COMPACT_EVERY_SECONDS = 600
 
 
@@ -50,7 +52,6 @@ class Agent:
         (as lost) and the node is unhealthy: a GPU vanishing from the driver is a fault.
         After a deliberate hardware change, `accept_inventory` makes the new list the node's.
         """
-        global CURRENT
         inventory = self.provider.inventory()
         model = inventory[0].model if inventory else "none"
         listed = [g.index for g in inventory]
@@ -78,7 +79,7 @@ class Agent:
                     defaults={"uuid": gpu.uuid, "model": gpu.model, "memory_total_mb": gpu.memory_total_mb},
                 )
         self.node = node
-        CURRENT = self
+        running.CURRENT = self  # preflight and the stress step ask its provider
         self.end_orphaned_attempts()
         self.replay_log_spools()
         if vanished:
@@ -89,15 +90,11 @@ class Agent:
 
     def end_orphaned_attempts(self) -> None:
         """Attempts a previous agent on this node was running died with it."""
-        from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass
-
         for attempt in Attempt.objects.filter(node=self.node, state__in=STARTED_ATTEMPT_STATES):
             attempt.finish(AttemptState.LOST, FailureClass.INFRA, "the node's agent restarted while it ran")
 
     def replay_log_spools(self) -> None:
         """Log lines a previous agent on this node spooled to disk and died before sending."""
-        from jobs.logingest import replay_spools
-
         try:
             sent = replay_spools(self.node.pk)
         except Exception:  # lines left on disk never keep the agent from starting
@@ -112,7 +109,7 @@ class Agent:
             self.apply_faults()  # faults are injected into simulated GPUs only
         if time.monotonic() < self.silent_until:
             return  # an injected "agent silent" fault: no heartbeat, no telemetry
-        busy = {i for runner in running() for i in runner.attempt.gpu_indices}
+        busy = {i for runner in running.running() for i in runner.attempt.gpu_indices}
         try:
             samples = self.provider.sample(busy)
         except Exception as exc:  # the agent is alive, the driver is not: unhealthy, not offline
@@ -186,52 +183,9 @@ class Agent:
                 log.exception("heartbeat failed")
 
 
-def running() -> list:
-    from jobs.execution import RUNNING
-
-    return list(RUNNING.values())
-
-
-def handle_finding(node: Node, finding: health.Finding, attempt=None) -> HealthEvent:
-    """Record a finding; when the policy says so, stop the attempts it hit (infra: they are requeued)."""
-    from jobs.models import AttemptState, FailureClass
-
-    event, decision = HealthEvent.record(node, finding, attempt)
-    if decision.stop_job:
-        for runner in running():
-            hit = runner.attempt.pk == getattr(attempt, "pk", None) or (
-                attempt is None and (finding.gpu_index is None or finding.gpu_index in runner.attempt.gpu_indices)
-            )
-            if hit and runner.attempt.node_id == node.pk:
-                runner.request_stop(AttemptState.FAILED, FailureClass.INFRA, f"health: {finding.message}")
-    return event
-
-
-# (attempt, kind, xid) already recorded from a job's output: a job that prints the same
-# NCCL error a thousand times makes one health event, not a thousand.
-_seen_in_output: set[tuple[int, str, int | None]] = set()
-
-
-def observe_output(attempt, text: str) -> None:
-    """Called for each line of a job's output: act on NCCL, ECC and Xid errors in it."""
-    finding = health.scan_line(text)
-    if finding is None:
-        return
-    key = (attempt.pk, finding.kind, finding.xid)
-    if key in _seen_in_output:
-        return
-    _seen_in_output.add(key)
-    try:
-        handle_finding(attempt.node, finding, attempt)
-    except Exception:  # runs on the log writer's thread: never let it die over a finding
-        log.exception("attempt %s: health finding not recorded", attempt.pk)
-
-
 def inject_nccl_failure(gpu_index: int | None) -> None:
     """A simulated NCCL failure: the line a real job would print, on the stderr of the jobs running there."""
-    from jobs.models import Stream
-
-    for runner in running():
+    for runner in running.running():
         if gpu_index is None or gpu_index in runner.attempt.gpu_indices:
             text = f"node{runner.attempt.node_id}:{runner.proc.pid if runner.proc else 0} NCCL WARN [simulated] "
             text += "Call to ibv_post_send failed: unhandled system error"

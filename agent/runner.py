@@ -28,17 +28,17 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from jobs import environments, secret_env, tracking
-from jobs.logingest import LogWriter, read_lines
+from agent import environments, watch
+from agent.output import LogWriter, read_lines
+from agent.preflight import run_preflight, run_rendezvous
+from agent.running import RUNNING
+from agent.running import lock as _running_lock
+from fleet.models import HealthEvent, Node
+from jobs import secret_env, tracking
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
 from portal.models import volume_env_name
 
 log = logging.getLogger("hangar.agent")
-
-# Attempts this agent process is running, by id: the heartbeat and the
-# shutdown hook reach them here.
-RUNNING: dict[int, "Runner"] = {}
-_running_lock = threading.Lock()
 
 # Only these variables of the agent's own environment reach a job: the agent's
 # database and broker credentials must not.
@@ -86,6 +86,7 @@ def run_attempt(attempt_id: int, rank: int = 0) -> None:
         finally:
             with _running_lock:
                 RUNNING.pop(attempt.pk, None)
+            watch.forget(attempt.pk)
     finally:
         connection.close()
 
@@ -107,8 +108,6 @@ class Outcome:
 
 class Runner:
     def __init__(self, attempt: Attempt, rank: int = 0):
-        from fleet.models import Node
-
         self.attempt = attempt
         self.job = attempt.job
         self.rank = rank
@@ -191,8 +190,6 @@ class Runner:
                 delay = min(delay * 2, 2.0)
 
     def preflight_and_execute(self) -> tuple[Outcome, int | None]:
-        from fleet.preflight import run_preflight
-
         if not self.wait_for_gpus():
             outcome = self.stop_requested or Outcome(
                 AttemptState.LOST, FailureClass.INFRA, "the attempt ended while it waited for its GPUs"
@@ -221,15 +218,13 @@ class Runner:
 
     def rendezvous(self) -> list[str]:
         """Multi-node preflight: this rank and rank 0 reach each other on the job's MASTER_PORT."""
-        from fleet.preflight import run_rendezvous
-
         port = int(rank_env(self.attempt, self.rank, "")["MASTER_PORT"])
         return run_rendezvous(self.attempt, self.rank, self.world_size, self.master_addr(), port, self.still_current)
 
     def still_current(self) -> bool:
         """For waits before the process starts: sees a cancel or another rank's end (the
         keep_lease thread renews the lease meanwhile)."""
-        self.check_current(renew=False)
+        self.poll_attempt(renew=False)
         return self.current and self.stop_requested is None
 
     def wait_for_gpus(self) -> bool:
@@ -255,7 +250,7 @@ class Runner:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHECK_SECONDS
-                self.check_current(renew=False)  # keep_lease renews it
+                self.poll_attempt(renew=False)  # keep_lease renews it
             if self.stop_requested is not None or not self.current:
                 return False
             time.sleep(WATCH_SECONDS)
@@ -328,7 +323,7 @@ class Runner:
             if now >= next_check:
                 next_check = now + CHECK_SECONDS
                 renew = now >= next_renew
-                if self.check_current(renew):
+                if self.poll_attempt(renew):
                     lease_ok_at = now
                     if renew:
                         next_renew = now + renew_every()
@@ -339,11 +334,11 @@ class Runner:
             time.sleep(WATCH_SECONDS)
         return self.exited(self.proc.returncode)
 
-    def check_current(self, renew: bool = True) -> bool:
+    def poll_attempt(self, renew: bool = True) -> bool:
         """Look for a cancel or preemption and, when `renew`, renew the lease. The renewal
         is one conditional write that matches only a started attempt nobody asked to stop;
-        the row is read when it matches nothing, or when only looking. False when the
-        database could not be reached."""
+        the row is read when it matches nothing, or when only looking. Returns whether the
+        database answered (not whether the attempt is still current: see `self.current`)."""
         try:
             if renew:
                 renewed = Attempt.objects.filter(
@@ -415,8 +410,6 @@ class Runner:
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         self.system(reason, error=True)
-        from fleet.models import HealthEvent
-
         # A hardware fault can kill the process before the agent's stop reaches it: still infra.
         fault = HealthEvent.stopping_fault(self.attempt.pk, self.node.pk, self.gpus)
         if fault is not None:
@@ -435,7 +428,7 @@ class Runner:
     def _renew_until(self, stop: threading.Event) -> None:
         try:
             while not stop.wait(renew_every()):
-                self.check_current(renew=True)
+                self.poll_attempt(renew=True)
         finally:
             connection.close()
 

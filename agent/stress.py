@@ -14,8 +14,12 @@ import time
 from pathlib import Path
 
 from django.conf import settings
+from django.dispatch import receiver
 
+from agent import running
+from fleet import signals
 from fleet.gpus import GpuProvider
+from fleet.preflight import Result, record
 
 # Each GPU: a deterministic matmul chain for SECONDS, checked against its first result
 # (a GPU that computes wrong or not at all fails), with the rate it reached.
@@ -121,3 +125,25 @@ def run(provider: GpuProvider, node, indices: list[int]) -> tuple[bool, str]:
     if provider.simulated:
         return simulated(provider, indices, seconds)
     return with_torch(node, indices, seconds)
+
+
+@receiver(signals.stress_here)
+def _stress_in_this_process(sender, node_id: int, **kwargs) -> Result | None:
+    return stress_here(node_id)
+
+
+def stress_here(node_id: int) -> Result | None:
+    """Run and record the stress step, if this process is the node's agent (else None)."""
+    current = running.CURRENT
+    if current is None or current.node is None or current.node.pk != node_id:
+        return None
+    node = current.node
+    indices = sorted(node.gpus.values_list("index", flat=True))
+    start = time.perf_counter()
+    try:
+        passed, evidence = run(current.provider, node, indices)
+    except Exception as exc:  # a driver or subprocess failure is the step's evidence
+        passed, evidence = False, f"the stress step failed to run: {type(exc).__name__}: {exc}"
+    result = Result("stress", passed, evidence, (time.perf_counter() - start) * 1000)
+    record(node, [result], "burn-in")
+    return result

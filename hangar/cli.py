@@ -21,110 +21,25 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-import httpx
+from hangar.client import (
+    DEFAULT_URL,
+    EXIT_API,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    EXIT_WAIT_TIMEOUT,
+    Client,
+    HangarError,
+    load_config,
+    save_config,
+)
 
-EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_CANCELLED, EXIT_INFRA = 0, 1, 2, 3, 4
-EXIT_API, EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT = 5, 6, 124
-FINAL_STATES = ("succeeded", "failed", "cancelled")
+EXIT_OK, EXIT_JOB_FAILED, EXIT_CANCELLED, EXIT_INFRA = 0, 1, 3, 4
 SEVERITIES = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-DEFAULT_URL = "http://127.0.0.1:8000"
+__all__ = ["EXIT_API", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_WAIT_TIMEOUT", "main"]
 
 
-class CliError(Exception):
-    def __init__(self, message: str, code: int = EXIT_API, body: dict | None = None):
-        super().__init__(message)
-        self.code = code
-        self.body = body or {"code": "cli_error", "message": message, "errors": []}
-
-
-# --- configuration ------------------------------------------------------------
-
-
-def config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(os.environ.get("HANGAR_CONFIG", str(Path(base) / "hangar" / "config.json")))
-
-
-def load_config() -> dict:
-    path = config_path()
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def save_config(config: dict) -> Path:
-    path = config_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)  # it holds a token
-    path.write_text(json.dumps(config, indent=2))
-    return path
-
-
-# --- talking to the server ----------------------------------------------------
-
-
-class Api:
-    def __init__(self, url: str, token: str):
-        self.url = url.rstrip("/")
-        self.token = token
-        self.http = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=30
-        )
-
-    def request(self, method: str, path: str, **kwargs) -> Any:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise CliError(f"cannot reach Hangar at {self.url}: {exc}; check --url or HANGAR_URL", EXIT_UNREACHABLE)
-        if response.status_code >= 400:
-            raise api_error(response)
-        if response.status_code == 204 or not response.content:
-            return {}
-        return response.json()
-
-    def get(self, path: str, **params) -> Any:
-        return self.request("GET", path, params={k: v for k, v in params.items() if v not in (None, "")})
-
-    def post(self, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
-        return self.request("POST", path, json=body or {}, headers=headers or {})
-
-    def pages(self, path: str, limit: int | None = None, **params) -> list[dict]:
-        """Every item of a paginated list, up to `limit`."""
-        items: list[dict] = []
-        offset = 0
-        while True:
-            page = self.get(path, limit=min(limit or 200, 200), offset=offset, **params)
-            if isinstance(page, list):
-                return page[:limit] if limit else page
-            items.extend(page["results"])
-            offset += len(page["results"])
-            if not page.get("next") or not page["results"] or (limit and len(items) >= limit):
-                return items[:limit] if limit else items
-
-    def ws_url(self, path: str) -> str:
-        return re.sub(r"^http", "ws", self.url) + path
-
-
-def api_error(response: httpx.Response) -> CliError:
-    try:
-        body = response.json()
-        message = body.get("message") or str(body)
-    except ValueError:
-        body, message = None, f"HTTP {response.status_code}: {response.text[:200]}"
-    if response.status_code == 401:
-        message += "; run `hangar login` with a valid token"
-    if response.status_code == 429 and response.headers.get("Retry-After"):
-        message += f" (Retry-After: {response.headers['Retry-After']}s)"
-    code = EXIT_UNREACHABLE if response.status_code >= 500 else EXIT_API
-    return CliError(message, code, body if isinstance(body, dict) else None)
-
-
-def api_from(args) -> Api:
-    config = load_config()
-    url = args.url or os.environ.get("HANGAR_URL") or config.get("url") or DEFAULT_URL
-    token = args.token or os.environ.get("HANGAR_TOKEN") or config.get("token") or ""
-    if not token:
-        raise CliError("not logged in: run `hangar login --url URL` (or set HANGAR_TOKEN)", EXIT_USAGE)
-    return Api(url, token)
+def api_from(args) -> Client:
+    return Client.from_config(args.url, args.token)
 
 
 # --- output -------------------------------------------------------------------
@@ -171,7 +86,7 @@ def cmd_login(args) -> int:
     token = (
         args.token or os.environ.get("HANGAR_TOKEN") or getpass.getpass(f"API token for {url} (from {url}/tokens/): ")
     )
-    projects = Api(url, token.strip()).pages("/api/v1/projects/")
+    projects = Client(url, token.strip()).pages("/api/v1/projects/")
     config.update(url=url, token=token.strip())
     if args.project:
         config["project"] = args.project
@@ -191,12 +106,12 @@ def load_job_file(path: str) -> dict:
         try:
             import yaml
         except ImportError:
-            raise CliError("reading a YAML job file needs PyYAML: pip install PyYAML (or give JSON)", EXIT_USAGE)
+            raise HangarError("reading a YAML job file needs PyYAML: pip install PyYAML (or give JSON)", EXIT_USAGE)
         spec = yaml.safe_load(text)
     else:
         spec = json.loads(text)
     if not isinstance(spec, dict):
-        raise CliError(f"{path}: a job file holds one mapping of job fields (project, command, ...)", EXIT_USAGE)
+        raise HangarError(f"{path}: a job file holds one mapping of job fields (project, command, ...)", EXIT_USAGE)
     return spec
 
 
@@ -205,7 +120,7 @@ def pairs(items: list[str], flag: str) -> dict[str, str]:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise CliError(f"{flag} {item!r}: write NAME=VALUE", EXIT_USAGE)
+            raise HangarError(f"{flag} {item!r}: write NAME=VALUE", EXIT_USAGE)
         out[key] = value
     return out
 
@@ -233,7 +148,7 @@ def job_spec(args) -> dict:
         if not spec[key]:
             del spec[key]
     if not spec.get("command"):
-        raise CliError(
+        raise HangarError(
             "no command: give it after --, e.g. `hangar submit -- python train.py`, or in -f FILE", EXIT_USAGE
         )
     return spec
@@ -245,7 +160,7 @@ def cmd_submit(args) -> int:
     if not spec.get("project"):
         projects = [p["slug"] for p in api.pages("/api/v1/projects/") if p.get("role") != "viewer"]
         if len(projects) != 1:
-            raise CliError(
+            raise HangarError(
                 f"--project is required: you can submit to {', '.join(projects) or 'no project'}", EXIT_USAGE
             )
         spec["project"] = projects[0]
@@ -256,7 +171,7 @@ def cmd_submit(args) -> int:
             print(f"job {job['id']} submitted to {job['project']}", file=sys.stderr)
         return follow(api, args, job["id"])
     if args.wait:
-        job = wait_for(api, job["id"], args.timeout)
+        job = api.wait(job["id"], args.timeout)
         emit(args, job, describe(job))
         return outcome_code(job)
     emit(args, job, f"job {job['id']} submitted to {job['project']} ({job['state']})")
@@ -304,21 +219,8 @@ def cmd_resubmit(args) -> int:
     return EXIT_OK
 
 
-def wait_for(api: Api, job_id: int, timeout: float | None) -> dict:
-    deadline = time.monotonic() + timeout if timeout else None
-    delay = 0.2
-    while True:
-        job = api.get(f"/api/v1/jobs/{job_id}/")
-        if job["state"] in FINAL_STATES:
-            return job
-        if deadline and time.monotonic() > deadline:
-            raise CliError(f"job {job_id} is still {job['state']} after {timeout:g}s", EXIT_WAIT_TIMEOUT)
-        time.sleep(delay)
-        delay = min(delay * 1.5, 2.0)
-
-
 def cmd_wait(args) -> int:
-    job = wait_for(api_from(args), args.job, args.timeout)
+    job = api_from(args).wait(args.job, args.timeout)
     emit(
         args,
         job,
@@ -386,7 +288,7 @@ def cmd_logs(args) -> int:
         cursor = page["cursor"]
 
 
-def follow(api: Api, args, job_id: int) -> int:
+def follow(api: Client, args, job_id: int) -> int:
     """Stream the job's lines until it ends; reconnect from the last cursor if the socket drops."""
     from websockets.exceptions import ConnectionClosed, InvalidStatus
     from websockets.sync.client import connect
@@ -413,13 +315,13 @@ def follow(api: Api, args, job_id: int) -> int:
                         return outcome_code(job)
         except InvalidStatus as exc:
             status = exc.response.status_code
-            raise CliError(
+            raise HangarError(
                 f"the log stream of job {job_id} was refused (HTTP {status}); check the job id and your token"
             )
         except (ConnectionClosed, OSError, TimeoutError) as exc:
             failures += 1
             if failures > 5:
-                raise CliError(f"lost the log stream of job {job_id}: {exc}", EXIT_UNREACHABLE)
+                raise HangarError(f"lost the log stream of job {job_id}: {exc}", EXIT_UNREACHABLE)
             time.sleep(min(0.5 * failures, 3))
 
 
@@ -434,6 +336,12 @@ def cmd_queue(args) -> int:
     )
     running = table(body["running"], ["id", "name", "project", "priority", "state", "attempt", "started_at"])
     emit(args, body, f"waiting\n{waiting}\n\nrunning\n{running}")
+    return EXIT_OK
+
+
+def cmd_priorities(args) -> int:
+    classes = api_from(args).priorities()
+    emit(args, classes, table(classes, ["name", "rank", "may_preempt", "preemptible"]))
     return EXIT_OK
 
 
@@ -456,10 +364,10 @@ def cmd_cost(args) -> int:
     params = {"project": args.project, "by": args.by or "project", "date_from": args.since, "date_to": args.until}
     try:
         body = api_from(args).get("/api/v1/costs/summary/", **params)
-    except CliError as exc:
+    except HangarError as exc:
         body = exc.body or {}
         if body.get("code") == "not_found" and "no API endpoint" in body.get("message", ""):
-            raise CliError("this Hangar server has no cost API (/api/v1/costs/summary/); upgrade it to see costs")
+            raise HangarError("this Hangar server has no cost API (/api/v1/costs/summary/); upgrade it to see costs")
         raise
     rows = body.get("rows", body) if isinstance(body, dict) else body
     if isinstance(rows, list) and rows and isinstance(rows[0], dict):
@@ -499,7 +407,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-g", "--gpus", type=int, help="GPUs per node")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpu-type")
-    p.add_argument("--priority", choices=["urgent", "high", "normal", "low", "scavenger"])
+    p.add_argument("--priority", help="a priority class of the server (`hangar priorities` lists them)")
     p.add_argument("--max-runtime", type=int, metavar="SECONDS")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE")
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")
@@ -543,6 +451,7 @@ def parser() -> argparse.ArgumentParser:
     p = command("queue", cmd_queue, "queued jobs, their position and why they wait")
     p.add_argument("-p", "--project")
 
+    command("priorities", cmd_priorities, "the server's priority classes, highest first")
     command("nodes", cmd_nodes, "nodes, their GPUs and state")
     for action, help in [
         ("cordon", "take a node out of scheduling"),
@@ -571,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, default)
     try:
         return args.func(args)
-    except CliError as exc:
+    except HangarError as exc:
         if args.json:
             print(json.dumps(exc.body))
         print(f"hangar: {exc}", file=sys.stderr)

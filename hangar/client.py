@@ -1,0 +1,149 @@
+"""A small Python client for Hangar's REST API, with no Django in it: what the `hangar`
+CLI is built on, and what an agent written in Python imports instead of shelling out.
+
+    from hangar.client import Client
+    hangar = Client.from_config()            # the URL and token `hangar login` saved
+    job = hangar.submit({"project": "vision", "command": ["python", "train.py"]})
+    job = hangar.wait(job["id"])             # until succeeded, failed or cancelled
+
+Every refused request raises HangarError: `.body` is the server's error shape
+(code, message, errors with the field and the fix) and `.code` the CLI's exit code
+for it (5 refused, 6 unreachable or failed, 124 a wait that ran out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+EXIT_USAGE, EXIT_API, EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT = 2, 5, 6, 124
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class HangarError(Exception):
+    def __init__(self, message: str, code: int = EXIT_API, body: dict | None = None):
+        super().__init__(message)
+        self.code = code
+        self.body = body or {"code": "cli_error", "message": message, "errors": []}
+
+
+# --- configuration ------------------------------------------------------------
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(os.environ.get("HANGAR_CONFIG", str(Path(base) / "hangar" / "config.json")))
+
+
+def load_config() -> dict:
+    path = config_path()
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_config(config: dict) -> Path:
+    path = config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)  # it holds a token
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+class Client:
+    def __init__(self, url: str, token: str):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=30
+        )
+
+    def request(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise HangarError(f"cannot reach Hangar at {self.url}: {exc}; check --url or HANGAR_URL", EXIT_UNREACHABLE)
+        if response.status_code >= 400:
+            raise api_error(response)
+        if response.status_code == 204 or not response.content:
+            return {}
+        return response.json()
+
+    def get(self, path: str, **params) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v not in (None, "")})
+
+    def post(self, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
+        return self.request("POST", path, json=body or {}, headers=headers or {})
+
+    def pages(self, path: str, limit: int | None = None, **params) -> list[dict]:
+        """Every item of a paginated list, up to `limit`."""
+        items: list[dict] = []
+        offset = 0
+        while True:
+            page = self.get(path, limit=min(limit or 200, 200), offset=offset, **params)
+            if isinstance(page, list):
+                return page[:limit] if limit else page
+            items.extend(page["results"])
+            offset += len(page["results"])
+            if not page.get("next") or not page["results"] or (limit and len(items) >= limit):
+                return items[:limit] if limit else items
+
+    @classmethod
+    def from_config(cls, url: str | None = None, token: str | None = None) -> Client:
+        """The given URL and token, else HANGAR_URL / HANGAR_TOKEN, else what `hangar login` saved."""
+        config = load_config()
+        url = url or os.environ.get("HANGAR_URL") or config.get("url") or DEFAULT_URL
+        token = token or os.environ.get("HANGAR_TOKEN") or config.get("token") or ""
+        if not token:
+            raise HangarError("not logged in: run `hangar login --url URL` (or set HANGAR_TOKEN)", EXIT_USAGE)
+        return cls(url, token)
+
+    def submit(self, spec: dict, idempotency_key: str | None = None) -> dict:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self.post("/api/v1/jobs/", spec, headers=headers)
+
+    def job(self, job_id: int) -> dict:
+        return self.get(f"/api/v1/jobs/{job_id}/")
+
+    def cancel(self, job_id: int, reason: str = "") -> dict:
+        return self.post(f"/api/v1/jobs/{job_id}/cancel/", {"reason": reason} if reason else {})
+
+    def wait(self, job_id: int, timeout: float | None = None) -> dict:
+        """Poll the job until it ends (backing off to every 2 s); HangarError(124) after `timeout`."""
+        deadline = time.monotonic() + timeout if timeout else None
+        delay = 0.2
+        while True:
+            job = self.job(job_id)
+            if job["state"] in FINAL_STATES:
+                return job
+            if deadline and time.monotonic() > deadline:
+                raise HangarError(f"job {job_id} is still {job['state']} after {timeout:g}s", EXIT_WAIT_TIMEOUT)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+
+    def priorities(self) -> list[dict]:
+        """The server's priority classes, highest first."""
+        return self.get("/api/v1/priorities/")
+
+    def ws_url(self, path: str) -> str:
+        return re.sub(r"^http", "ws", self.url) + path
+
+
+def api_error(response: httpx.Response) -> HangarError:
+    try:
+        body = response.json()
+        message = body.get("message") or str(body)
+    except ValueError:
+        body, message = None, f"HTTP {response.status_code}: {response.text[:200]}"
+    if response.status_code == 401:
+        message += "; run `hangar login` with a valid token"
+    if response.status_code == 429 and response.headers.get("Retry-After"):
+        message += f" (Retry-After: {response.headers['Retry-After']}s)"
+    code = EXIT_UNREACHABLE if response.status_code >= 500 else EXIT_API
+    return HangarError(message, code, body if isinstance(body, dict) else None)

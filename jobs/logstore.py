@@ -1,0 +1,97 @@
+"""Storing a batch of an attempt's log lines: numbered under the attempt's row lock (the
+fence against an attempt that is no longer current), skipping lines already stored, so a
+batch sent twice (from a node's spool after a lost acknowledgement) is stored once. The
+agent's LogWriter (agent/output.py) calls it; so may anything that stores lines."""
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection, transaction
+from django.db.models import Max
+
+from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine
+
+COPY_MIN_ROWS = 64  # below this a multi-row INSERT is as fast as COPY
+COPY_COLUMNS = (
+    "job_id", "attempt_id", "node_id", "rank", "rank_seq", "seq", "stream", "severity", "fault", "ts", "text"
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class NewLine:
+    """A parsed line on its way to the database: a LogLine's fields, without the cost of a model instance."""
+
+    job_id: int
+    attempt_id: int
+    node_id: int | None
+    rank: int
+    stream: int
+    severity: int
+    fault: bool
+    ts: datetime
+    text: str
+    rank_seq: int  # the line's number in its rank's output, given by the writer: what makes a resend recognisable
+    seq: int = 0
+
+    def columns(self, ts) -> tuple:
+        """The values for COPY_COLUMNS, with the timestamp as the database driver wants it."""
+        fields = (self.job_id, self.attempt_id, self.node_id, self.rank, self.rank_seq, self.seq)
+        return (*fields, self.stream, self.severity, self.fault, ts, self.text)
+
+
+class AttemptNotCurrent(Exception):
+    """The attempt ended (or was never started): its lines are refused."""
+
+
+def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True) -> int:
+    """Number and insert one batch of an attempt's lines, skipping those already stored; returns the last seq.
+
+    Raises AttemptNotCurrent when the attempt no longer takes lines: when it is
+    not started (current_only, a live writer's fence) or does not exist.
+    """
+    with transaction.atomic():
+        # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
+        # attempt that is being ended waits for (or refuses) this batch.
+        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
+        if current_only:
+            fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
+        if not (job_id := fenced.values_list("job_id", flat=True).first()):
+            raise AttemptNotCurrent(attempt_id)
+        rows = unstored(attempt_id, rows)
+        last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
+        for offset, row in enumerate(rows, start=1):
+            row.seq = last + offset
+        if rows:
+            insert_rows(rows)
+    return last + len(rows)
+
+
+def unstored(attempt_id: int, rows: list[NewLine]) -> list[NewLine]:
+    """The rows not stored yet. A rank's lines are stored in rank_seq order under the attempt's
+    lock, so what is stored of a rank is a prefix: everything up to its highest rank_seq."""
+    stored_up_to = {}
+    for rank in {row.rank for row in rows}:
+        # ORDER BY ... LIMIT 1 walks the (attempt, rank, rank_seq) index backwards on both databases.
+        mine = LogLine.objects.filter(attempt_id=attempt_id, rank=rank).order_by("-rank_seq")
+        stored_up_to[rank] = mine.values_list("rank_seq", flat=True).first() or 0
+    return [row for row in rows if row.rank_seq > stored_up_to[row.rank]]
+
+
+def insert_rows(rows: list) -> None:
+    """Bulk insert: COPY on PostgreSQL for large batches, one prepared multi-row INSERT elsewhere.
+
+    Rows go in as plain tuples: building model instances' SQL per row costs
+    more than the insert itself.
+    """
+    table = LogLine._meta.db_table
+    if connection.vendor == "postgresql" and len(rows) >= COPY_MIN_ROWS:
+        with connection.cursor() as cursor:
+            with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+                for r in rows:
+                    copy.write_row(r.columns(r.ts))
+        return
+    adapt = connection.ops.adapt_datetimefield_value
+    values = [r.columns(adapt(r.ts)) for r in rows]
+    placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
+    with connection.cursor() as cursor:
+        cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)

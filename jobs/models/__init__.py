@@ -1,0 +1,49 @@
+"""The jobs app's models, one module each: states, environments, jobs (and their history),
+attempts, log lines, cost. Everything is re-exported here: `from jobs.models import Job`."""
+
+from jobs.models.attempt import Attempt, lease_from, requeue_for
+from jobs.models.cost import Budget, CostDaily, GpuRate, JobCost, attempt_cost_of, next_month
+from jobs.models.environment import Environment, EnvironmentKind
+from jobs.models.job import Job, JobEvent, JobQuerySet
+from jobs.models.logs import LogLine, Severity, Stream
+from jobs.models.states import (
+    ACTIVE_ATTEMPT_STATES,
+    FINAL_JOB_STATES,
+    STARTED_ATTEMPT_STATES,
+    STATE_COLOURS,
+    AttemptState,
+    FailureClass,
+    JobState,
+)
+from jobs.priority import Priority, PriorityClass, priority_class, priority_classes
+
+__all__ = [
+    "ACTIVE_ATTEMPT_STATES",
+    "FINAL_JOB_STATES",
+    "STARTED_ATTEMPT_STATES",
+    "STATE_COLOURS",
+    "Attempt",
+    "AttemptState",
+    "Budget",
+    "CostDaily",
+    "Environment",
+    "EnvironmentKind",
+    "FailureClass",
+    "GpuRate",
+    "Job",
+    "JobCost",
+    "JobEvent",
+    "JobQuerySet",
+    "JobState",
+    "LogLine",
+    "Priority",
+    "PriorityClass",
+    "Severity",
+    "Stream",
+    "attempt_cost_of",
+    "lease_from",
+    "next_month",
+    "priority_class",
+    "priority_classes",
+    "requeue_for",
+]

@@ -1,0 +1,216 @@
+"""Attempts: one try of a job on a concrete placement, with its lease and its end."""
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import models, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from jobs.models.job import Job, JobEvent
+from jobs.models.states import (
+    ACTIVE_ATTEMPT_STATES,
+    STARTED_ATTEMPT_STATES,
+    STATE_COLOURS,
+    AttemptState,
+    FailureClass,
+    JobState,
+)
+from jobs.signals import attempt_finished
+from portal import wakeup
+
+
+class Attempt(models.Model):
+    """One try of a job on a concrete placement: one rank per node, each with its GPU indices.
+
+    `node` and `gpu_indices` are rank 0's; `placement` lists every rank's.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveSmallIntegerField()
+    state = models.CharField(max_length=16, choices=AttemptState.choices, default=AttemptState.SCHEDULED)
+    node = models.ForeignKey("fleet.Node", on_delete=models.PROTECT, related_name="attempts")
+    gpu_indices = models.JSONField(default=list)
+    queued_at = models.DateTimeField()
+    scheduled_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True, help_text="The agent took it: preflight began.")
+    running_at = models.DateTimeField(null=True, blank=True, help_text="The command started.")
+    finished_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    failure_class = models.CharField(max_length=16, choices=FailureClass.choices, blank=True)
+    reason = models.TextField(blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    placement = models.JSONField(default=list, blank=True, help_text='[{"rank", "node_id", "node", "gpus"}], by rank.')
+    borrowed = models.BooleanField(default=False, help_text="Placed on GPUs beyond its project's quota.")
+    preempt_requested_at = models.DateTimeField(null=True, blank=True)
+    rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique"),
+            # The database itself refuses a second live attempt of one job.
+            models.UniqueConstraint(
+                fields=["job"], condition=Q(state__in=["scheduled", "preflight", "running"]), name="one_live_attempt"
+            ),
+        ]
+        indexes = [models.Index(fields=["state", "node"])]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of job {self.job_id}"
+
+    @property
+    def state_colour(self) -> str:
+        return STATE_COLOURS[self.state]
+
+    @property
+    def ranks(self) -> list[dict]:
+        """Every rank's node and GPUs (a one-node attempt of old has no placement stored)."""
+        if self.placement:
+            return self.placement
+        return [{"rank": 0, "node_id": self.node_id, "node": None, "gpus": self.gpu_indices}]
+
+    def preflight_seconds(self) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.running_at or self.finished_at or timezone.now()
+        return (end - self.started_at).total_seconds()
+
+    def running_seconds(self) -> float | None:
+        if self.running_at is None:
+            return None
+        return ((self.finished_at or timezone.now()) - self.running_at).total_seconds()
+
+    def begin(self, rank: int = 0) -> bool:
+        """An agent takes one rank; the first rank taken moves the attempt scheduled -> preflight.
+        False if that rank was taken already or the attempt is no longer current."""
+        now = timezone.now()
+        with transaction.atomic():
+            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("state", "rank_status").first()
+            if row is None or row["state"] not in ACTIVE_ATTEMPT_STATES or str(rank) in row["rank_status"]:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): None}
+            update = {"rank_status": self.rank_status, "lease_expires_at": lease_from(now)}
+            if row["state"] == AttemptState.SCHEDULED:
+                update.update(state=AttemptState.PREFLIGHT, started_at=now)
+                Job.objects.filter(pk=self.job_id, state=JobState.SCHEDULED).update(state=JobState.PREFLIGHT)
+            Attempt.objects.filter(pk=self.pk).update(**update)
+        return True
+
+    def mark_running(self, pid: int) -> bool:
+        """A rank's command started. The first one moves the attempt (and job) to running."""
+        now = timezone.now()
+        with transaction.atomic():
+            ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.PREFLIGHT).update(
+                state=AttemptState.RUNNING, running_at=now, pid=pid, lease_expires_at=lease_from(now)
+            )
+            if ok:
+                Job.objects.filter(pk=self.job_id, state=JobState.PREFLIGHT).update(state=JobState.RUNNING)
+            else:
+                ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).exists()
+        return bool(ok)
+
+    def rank_succeeded(self, rank: int) -> bool:
+        """Record that one rank exited 0; True when every rank has, so the attempt succeeded."""
+        with transaction.atomic():
+            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("rank_status").first()
+            if row is None:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): 0}
+            Attempt.objects.filter(pk=self.pk).update(rank_status=self.rank_status)
+        return all(self.rank_status.get(str(r["rank"])) == 0 for r in self.ranks)
+
+    def finish(
+        self,
+        state: str,
+        failure_class: str = "",
+        reason: str = "",
+        exit_code: int | None = None,
+        from_states=ACTIVE_ATTEMPT_STATES,
+    ) -> bool:
+        """End the attempt and move its job on. Refused (False) once the attempt is no longer current."""
+        now = timezone.now()
+        with transaction.atomic():
+            ended = Attempt.objects.filter(pk=self.pk, state__in=from_states).update(
+                state=state,
+                failure_class=failure_class,
+                reason=reason,
+                exit_code=exit_code,
+                finished_at=now,
+                lease_expires_at=None,
+            )
+            if not ended:
+                return False
+            self.state, self.failure_class, self.reason, self.exit_code = state, failure_class, reason, exit_code
+            self._move_job_on(now)
+            attempt_finished.send(sender=Attempt, attempt=self)  # its cost, its MLflow run
+            wakeup.request_pass()  # its GPUs are free, and the job may be queued again
+        return True
+
+    def _move_job_on(self, now) -> None:
+        job = Job.objects.select_for_update().get(pk=self.job_id)
+        if job.is_final:
+            return
+        if self.state == AttemptState.CANCELLED or self._cancel_was_requested():
+            kind, update = JobState.CANCELLED, {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED}
+        elif self.state == AttemptState.SUCCEEDED:
+            kind, update = JobState.SUCCEEDED, {"state": JobState.SUCCEEDED, "failure_class": ""}
+        elif requeue := requeue_for(self.failure_class, job):
+            kind, update = requeue
+            update.update(state=JobState.QUEUED, queued_at=now)
+        else:
+            kind, update = JobState.FAILED, {"state": JobState.FAILED, "failure_class": self.failure_class}
+        if update["state"] != JobState.QUEUED:
+            update.update(finished_at=now, exit_code=self.exit_code)
+        update["state_reason"] = self.reason
+        Job.objects.filter(pk=job.pk).update(**update)
+        JobEvent.objects.create(job_id=job.pk, attempt=self, kind=kind, message=self.reason)
+
+    def _cancel_was_requested(self) -> bool:
+        # Read again: a cancel may have been asked after this object was loaded.
+        return Attempt.objects.filter(pk=self.pk, cancel_requested_at__isnull=False).exists()
+
+    @classmethod
+    def expire_leases(cls) -> list["Attempt"]:
+        """End started attempts whose agent stopped renewing their lease (lost, infra)."""
+        now = timezone.now()
+        expired = list(cls.objects.filter(state__in=STARTED_ATTEMPT_STATES, lease_expires_at__lt=now))
+        return [a for a in expired if a.finish(AttemptState.LOST, FailureClass.INFRA, "lease expired: agent silent")]
+
+    @classmethod
+    def expire_unstarted(cls) -> list["Attempt"]:
+        """Requeue attempts no agent took in time (a lost message, a dead agent)."""
+        cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_START_TIMEOUT_SECONDS)
+        stale = list(cls.objects.filter(state=AttemptState.SCHEDULED, scheduled_at__lt=cutoff))
+        reason = f"no agent started it within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
+        ended = [
+            a
+            for a in stale
+            if a.finish(AttemptState.LOST, FailureClass.INFRA, reason, from_states=[AttemptState.SCHEDULED])
+        ]
+        # A gang whose other ranks started but one never did would wait for it until its max runtime.
+        rows = cls.objects.filter(state__in=STARTED_ATTEMPT_STATES, started_at__lt=cutoff).values_list(
+            "pk", "rank_status", "placement"
+        )
+        partial = cls.objects.filter(pk__in=[pk for pk, status, ranks in rows if len(status) < len(ranks)])
+        missing = f"a rank was not started by its node's agent within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
+        return ended + [a for a in partial if a.finish(AttemptState.LOST, FailureClass.INFRA, missing)]
+
+
+def requeue_for(failure_class: str, job: Job) -> tuple[str, dict] | None:
+    """Whether a job whose attempt ended this way goes back to the queue: the event
+    kind and the counter it uses. Only the command's own failures use the job's
+    retry budget; infrastructure losses and preemptions have caps against loops."""
+    if failure_class == FailureClass.USER and job.retries < job.max_retries:
+        return "retry", {"retries": job.retries + 1}
+    if failure_class == FailureClass.INFRA and job.requeues < settings.HANGAR_MAX_REQUEUES:
+        return "requeue", {"requeues": job.requeues + 1}
+    if failure_class == FailureClass.PREEMPTED and job.preemptions < settings.HANGAR_MAX_PREEMPTIONS:
+        return "preempted", {"preemptions": job.preemptions + 1}
+    return None
+
+
+def lease_from(now):
+    return now + timedelta(seconds=settings.HANGAR_LEASE_SECONDS)

@@ -1,0 +1,171 @@
+"""GPU-hour rates, budgets and what jobs cost: per job, and rolled up per day."""
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.dispatch import receiver
+from django.utils import timezone
+
+from jobs.costs import WASTED_LABELS, BudgetStatus, Rate, attempt_cost
+from jobs.models.attempt import Attempt
+from jobs.models.job import Job
+from jobs.signals import attempt_finished
+from portal.models import Project
+
+
+class GpuRate(models.Model):
+    """The price of one GPU-hour of a GPU type from `effective_from` on (until the next rate)."""
+
+    gpu_type = models.CharField(max_length=64)
+    effective_from = models.DateTimeField()
+    per_gpu_hour = models.DecimalField(max_digits=12, decimal_places=4)
+
+    class Meta:
+        ordering = ["gpu_type", "effective_from"]
+        constraints = [models.UniqueConstraint(fields=["gpu_type", "effective_from"], name="one_rate_per_moment")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_type} {self.per_gpu_hour}/GPU-hour from {self.effective_from:%Y-%m-%d %H:%M}"
+
+    @classmethod
+    def rates_for(cls, gpu_type: str) -> list:
+        rows = cls.objects.filter(gpu_type=gpu_type).values_list("effective_from", "per_gpu_hour")
+        return [Rate(start, price) for start, price in rows]
+
+
+class Budget(models.Model):
+    """A project's spending budget for one month (or every month, when `month` is blank)."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="budgets")
+    month = models.DateField(null=True, blank=True, help_text="First day of the month; blank: every month.")
+    amount = models.DecimalField(max_digits=14, decimal_places=2)
+    warn_percent = models.PositiveSmallIntegerField(default=80, help_text="Warn from this share of the amount on.")
+    hard_limit = models.BooleanField(default=False, help_text="Refuse new jobs once the amount is spent.")
+
+    class Meta:
+        ordering = ["project", "month"]
+        constraints = [models.UniqueConstraint(fields=["project", "month"], name="one_budget_per_project_month")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug} {self.month:%Y-%m}" if self.month else f"{self.project.slug} monthly"
+
+    @classmethod
+    def applying(cls, day) -> models.QuerySet:
+        """Budgets that apply in the month of `day`: that month's own, and every-month ones."""
+        return cls.objects.filter(Q(month=day.replace(day=1)) | Q(month=None))
+
+    @classmethod
+    def for_month(cls, project_id: int, day) -> "Budget | None":
+        budgets = cls.applying(day).filter(project_id=project_id)
+        return budgets.select_related("project").order_by(models.F("month").desc(nulls_last=True)).first()
+
+    def status(self, day):
+        """Spend of the month that holds `day` against this budget."""
+        month = day.replace(day=1)
+        spent = CostDaily.objects.filter(project_id=self.project_id, day__gte=month, day__lt=next_month(month))
+        total = spent.aggregate(s=models.Sum("cost"))["s"] or 0
+        name = f"'{self.project.slug} {month:%Y-%m}'"
+        return BudgetStatus(name, self.amount, total, self.warn_percent, self.hard_limit)
+
+
+def next_month(month):
+    return month.replace(year=month.year + 1, month=1) if month.month == 12 else month.replace(month=month.month + 1)
+
+
+class JobCost(models.Model):
+    """A job's cost over its finished attempts, kept up to date as each one ends."""
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, primary_key=True, related_name="cost")
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="+")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    gpu_type = models.CharField(max_length=64)
+    attempts = models.PositiveIntegerField(default=0)
+    gpu_seconds = models.FloatField(default=0)
+    preflight_cost = models.DecimalField(max_digits=14, decimal_places=4, default=0)
+    running_cost = models.DecimalField(max_digits=14, decimal_places=4, default=0)
+    cost = models.DecimalField(max_digits=14, decimal_places=4, default=0, db_index=True)
+    wasted_cost = models.DecimalField(
+        max_digits=14, decimal_places=4, default=0, help_text="Of failed, lost and preempted attempts."
+    )
+
+    class Meta:
+        indexes = [models.Index(fields=["project", "cost"]), models.Index(fields=["gpu_type", "cost"])]
+
+    @classmethod
+    def record_attempt(cls, attempt_id: int) -> None:
+        """Add a finished attempt to its job's cost and the day's roll-up (inside the finishing transaction)."""
+        attempt = Attempt.objects.select_related("job", "node").get(pk=attempt_id)
+        job, c = attempt.job, attempt_cost_of(attempt)
+        gpu_type = attempt.node.gpu_model
+        keys = {"project_id": job.project_id, "user_id": job.submitted_by_id, "gpu_type": gpu_type}
+        cls.objects.get_or_create(job_id=job.pk, defaults=keys)
+        wasted = c.cost if c.label in WASTED_LABELS else 0
+        cls.objects.filter(pk=job.pk).update(
+            gpu_type=gpu_type,
+            attempts=models.F("attempts") + 1,
+            gpu_seconds=models.F("gpu_seconds") + c.gpu_seconds,
+            preflight_cost=models.F("preflight_cost") + c.preflight_cost,
+            running_cost=models.F("running_cost") + c.running_cost,
+            cost=models.F("cost") + c.cost,
+            wasted_cost=models.F("wasted_cost") + wasted,
+        )
+        day = (attempt.finished_at or timezone.now()).date()
+        CostDaily.add(day=day, label=c.label, cost=c, **keys)
+
+
+def attempt_cost_of(attempt: "Attempt", now=None, rates: list | None = None):
+    """The cost of one attempt (so far, while it runs) at the rates of its node's GPU type
+    (`rates`, when the caller has loaded them already)."""
+    return attempt_cost(
+        sum(len(rank["gpus"]) for rank in attempt.ranks) or attempt.job.gpus,  # every rank's GPUs
+        attempt.started_at,
+        attempt.running_at,
+        attempt.finished_at,
+        GpuRate.rates_for(attempt.node.gpu_model) if rates is None else rates,
+        now or timezone.now(),
+        attempt.state,
+        attempt.failure_class,
+    )
+
+
+class CostDaily(models.Model):
+    """Spend per day, project, user, GPU type and label (succeeded, failed, lost, preempted, cancelled).
+
+    An attempt counts on the day it finished. The cost pages aggregate this
+    table, never the attempts, so they stay fast however many attempts there are.
+    """
+
+    day = models.DateField()
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="+")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    gpu_type = models.CharField(max_length=64)
+    label = models.CharField(max_length=16)
+    attempts = models.PositiveIntegerField(default=0)
+    gpu_seconds = models.FloatField(default=0)
+    preflight_cost = models.DecimalField(max_digits=16, decimal_places=4, default=0)
+    running_cost = models.DecimalField(max_digits=16, decimal_places=4, default=0)
+    cost = models.DecimalField(max_digits=16, decimal_places=4, default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["day", "project", "user", "gpu_type", "label"], name="one_cost_row_per_day")
+        ]
+        indexes = [models.Index(fields=["project", "day"])]
+
+    @classmethod
+    def add(cls, day, project_id: int, user_id: int, gpu_type: str, label: str, cost) -> None:
+        row, _ = cls.objects.get_or_create(
+            day=day, project_id=project_id, user_id=user_id, gpu_type=gpu_type, label=label
+        )
+        cls.objects.filter(pk=row.pk).update(
+            attempts=models.F("attempts") + 1,
+            gpu_seconds=models.F("gpu_seconds") + cost.gpu_seconds,
+            preflight_cost=models.F("preflight_cost") + cost.preflight_cost,
+            running_cost=models.F("running_cost") + cost.running_cost,
+            cost=models.F("cost") + cost.cost,
+        )
+
+
+@receiver(attempt_finished)
+def _add_attempt_cost(sender, attempt: Attempt, **kwargs) -> None:
+    JobCost.record_attempt(attempt.pk)

@@ -1,0 +1,7 @@
+"""What the jobs app announces; receivers connect in their own modules."""
+
+from django.dispatch import Signal
+
+# An attempt ended (attempt=Attempt), sent inside the transaction that ended it: its cost is
+# added there (jobs/models/cost.py), and its MLflow run is ended after commit (jobs/tracking.py).
+attempt_finished = Signal()

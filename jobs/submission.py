@@ -1,0 +1,159 @@
+"""Submitting a job: the one place a job is created.
+
+`submit_job(user, spec)` takes a request whose shape is already checked (the API's
+JobSubmitSerializer: types, ranges, argv, variable names) and decides whether this
+user may run it here: the project and the user's role in it, the environment, whether
+any node is large enough, the volumes and the modes the role grants, the priority class
+and who may use it, the project's per-job GPU limit and its budget. Then it creates the
+job and its first event, and wakes the scheduler after commit. The API, the HTML form,
+resubmit and run-again all come through here, so all refuse the same things the same
+way: a ValidationError whose keys name the field and whose message says what to change.
+"""
+
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import transaction
+from rest_framework.exceptions import ValidationError
+
+from jobs.api.capacity import node_sizes
+from jobs.api.costs import check_budget
+from jobs.models import Environment, Job, JobEvent, priority_class, priority_classes
+from portal import wakeup
+from portal.models import Project, Role, VolumeMode
+
+
+@dataclass
+class Submitted:
+    job: Job
+    warnings: list[str] = field(default_factory=list)
+
+
+def submit_job(user, spec: dict) -> Submitted:
+    """Check `spec` (JobSubmitSerializer's validated data) for `user`, then create the job."""
+    project = project_for(user, spec["project"])
+    checked = {
+        **spec,
+        "project": project,
+        "environment": environment_named(spec.get("environment") or ""),
+        "volumes": granted_volumes(user, project, spec.get("volumes") or []),
+        "priority": checked_priority(user, project, spec.get("priority") or ""),
+    }
+    check_capacity(spec["gpus_per_node"], spec["nodes"], spec.get("gpu_type", ""))
+    check_gpu_limit(project, spec["gpus_per_node"] * spec["nodes"])
+    warnings = [w for w in [check_budget(project)] if w]
+    return Submitted(create(user, checked), warnings)
+
+
+def project_for(user, slug: str) -> Project:
+    project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).first()
+    if project is None:
+        mine = ", ".join(Project.objects.with_role(user, Role.MEMBER).values_list("slug", flat=True)) or "none"
+        raise ValidationError({"project": f"no project {slug!r} that you can submit to; your projects: {mine}"})
+    return project
+
+
+def environment_named(name: str) -> Environment | None:
+    if not name:
+        return None
+    environment = Environment.objects.filter(name=name).first()
+    if environment is None:
+        known = ", ".join(Environment.objects.values_list("name", flat=True)) or "none"
+        raise ValidationError({"environment": f"no environment {name!r}; environments: {known}"})
+    return environment
+
+
+def checked_priority(user, project: Project, name: str) -> str:
+    """The project's default class, or the one asked for if this user may use it."""
+    classes = priority_classes()
+    name = name or project.default_priority
+    if name not in classes:
+        raise ValidationError({"priority": f"{name} is not a priority class; use one of {', '.join(classes)}"})
+    ceiling = priority_class(project.max_member_priority)
+    manager = Project.objects.with_role(user, Role.MANAGER).filter(pk=project.pk).exists
+    if classes[name].rank > ceiling.rank and not manager():
+        allowed = ", ".join(n for n, c in classes.items() if c.rank <= ceiling.rank)
+        raise ValidationError({"priority": f"{name} needs a manager of {project.slug}; members may use {allowed}"})
+    return name
+
+
+def granted_volumes(user, project: Project, wanted: list[dict]) -> list[dict]:
+    """Each volume must exist in the project and the user's role must grant its mode."""
+    if not wanted:
+        return []
+    role = Project.objects.role_of(user, project)
+    known = {v.name: v for v in project.volumes.all()}
+    granted = []
+    for index, request in enumerate(wanted):
+        volume = known.get(request["name"])
+        name_field = f"volumes[{index}].name"
+        if volume is None:
+            names = ", ".join(known) or "none registered"
+            raise ValidationError(
+                {name_field: f"project {project} has no volume {request['name']!r}; its volumes: {names}"}
+            )
+        if not volume.allows(role, request["mode"]):
+            writing = request["mode"] == VolumeMode.READ_WRITE
+            needed = volume.write_role if writing else volume.read_role
+            fix = "; ask for mode ro" if writing else "; ask a project admin for a higher role"
+            message = f"mounting {volume.name} {request['mode']} needs the {needed} role in {project}; you are {role}"
+            raise ValidationError({name_field: message + fix})
+        granted.append({"name": volume.name, "path": volume.path, "mode": request["mode"], "version": volume.version})
+    return granted
+
+
+def check_capacity(gpus: int, nodes: int, gpu_type: str) -> None:
+    """Refuse what no set of registered nodes could ever run."""
+    every = node_sizes()
+    sizes = [count for model, count in every if not gpu_type or model == gpu_type]
+    largest, big_enough = max(sizes, default=0), sum(1 for count in sizes if count >= gpus)
+    if gpu_type and not largest:
+        types = ", ".join(sorted({model for model, _ in every})) or "none registered"
+        raise ValidationError({"gpu_type": f"no node has {gpu_type} GPUs; GPU types: {types}"})
+    if gpus > largest:
+        where = f"the largest {gpu_type} node" if gpu_type else "the largest node"
+        raise ValidationError(
+            {"gpus_per_node": f"gpus_per_node={gpus} but {where} has {largest}; ask for at most {largest}"}
+        )
+    if nodes > big_enough:
+        kind = f"{gpu_type} " if gpu_type else ""
+        raise ValidationError(
+            {"nodes": f"nodes={nodes} but only {big_enough} {kind}nodes have {gpus} GPUs; ask for fewer"}
+        )
+
+
+def check_gpu_limit(project: Project, total: int) -> None:
+    limit = project.max_gpus_per_job
+    if limit is not None and total > limit:
+        raise ValidationError(
+            {"gpus_per_node": f"asks for {total} GPUs; project {project.slug} allows at most {limit} a job"}
+        )
+
+
+def create(user, checked: dict) -> Job:
+    command = checked["command"]
+    with transaction.atomic():
+        job = Job.objects.create(
+            project=checked["project"],
+            submitted_by=user,
+            name=checked.get("name") or command[0].rsplit("/", 1)[-1],
+            command=command,
+            env=checked.get("env", {}),
+            secret_env=checked.get("secret_env", {}),
+            volumes=checked["volumes"],
+            idempotency_key=checked.get("idempotency_key", ""),
+            gpus_per_node=checked["gpus_per_node"],
+            nodes=checked["nodes"],
+            gpu_type=checked.get("gpu_type", ""),
+            priority=checked["priority"],
+            preemptible=checked.get("preemptible"),
+            max_retries=checked["max_retries"],
+            environment=checked["environment"],
+            max_runtime_seconds=checked.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
+            code_version=checked.get("code_version", ""),
+            config=checked.get("config") or {},
+            data_refs=checked.get("data_refs", []),
+        )
+        JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
+        wakeup.request_pass()
+    return job

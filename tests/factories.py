@@ -1,0 +1,81 @@
+"""Small factories for test data (users, projects, nodes, jobs, attempts) and API clients."""
+
+import os
+
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from fleet.models import GPU, Node
+from jobs.models import Attempt, Job
+from portal.models import ApiToken, Membership, Project
+from tests.livestack import ServicesDatabase
+
+
+def make_user(username: str, **extra):
+    return get_user_model().objects.create_user(username=username, password="pw-" + username, **extra)
+
+
+def make_project(slug: str, **members) -> Project:
+    project = Project.objects.create(slug=slug, name=slug.title())
+    for role, user in members.items():
+        Membership.objects.create(project=project, user=user, role=role)
+    return project
+
+
+def make_node(name: str = "node-a", gpus: int = 4, model: str = "H100", **fields) -> Node:
+    from django.utils import timezone
+
+    node = Node.objects.create(
+        name=name, gpu_model=model, gpu_count=gpus, simulated=True, last_heartbeat_at=timezone.now(), **fields
+    )
+    for index in range(gpus):
+        GPU.objects.create(node=node, index=index, uuid=f"GPU-{name}-{index}", model=model, memory_total_mb=81559)
+    return node
+
+
+def make_job(project: Project, user, **fields) -> Job:
+    fields = {"name": "train", "command": ["python", "train.py"], "max_runtime_seconds": 3600, **fields}
+    return Job.objects.create(project=project, submitted_by=user, **fields)
+
+
+def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None = None, **fields) -> Attempt:
+    """An attempt in `state`, with its job moved to the matching state."""
+    Job.objects.filter(pk=job.pk).update(state=state)
+    number = job.attempts.count() + 1
+    return Attempt.objects.create(
+        job=job,
+        number=number,
+        node=node,
+        state=state,
+        gpu_indices=gpu_indices or [0],
+        queued_at=job.queued_at,
+        **fields,
+    )
+
+
+def api_client(user=None) -> APIClient:
+    client = APIClient()
+    if user is not None:
+        _, raw = ApiToken.issue(user, "test")
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    return client
+
+
+def token_client(user, project: Project | None = None, read_only: bool = False) -> APIClient:
+    """A client authenticated by a token that may be limited to one project and to reading."""
+    client = APIClient()
+    _, raw = ApiToken.issue(user, "test", project=project, read_only=read_only)
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    return client
+
+
+def services_database() -> ServicesDatabase:
+    """PostgreSQL + Redis for a services-mode stack: skipped with the reason where they are
+    not reachable, a failure under CI (CI=true), which must run them."""
+    services = ServicesDatabase()
+    if missing := services.available():
+        if os.environ.get("CI"):
+            pytest.fail(f"services mode must run in CI: {missing}")
+        pytest.skip(missing)
+    return services
