@@ -169,8 +169,31 @@ def test_the_console_script_entry_point_runs(stack, tmp_path):
 
 
 def test_the_cli_never_loads_the_database_layer():
-    probe = (
-        "import sys, hangar.cli; print(sorted(m for m in sys.modules if m.startswith(('django.db', 'jobs', 'fleet'))))"
-    )
+    server = ("django", "jobs", "fleet", "agent", "portal")
+    probe = f"import sys, hangar.cli; print(sorted(m for m in sys.modules if m.startswith({server!r})))"
     done = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=BASE_DIR, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_priority_classes_come_from_the_server(hangar):
+    code, out, _ = hangar("--json", "priorities")
+    assert code == cli.EXIT_OK
+    names = [c["name"] for c in json.loads(out)]
+    assert names == ["urgent", "high", "normal", "low", "scavenger"]  # the server's default classes, highest first
+
+    code, _, err = hangar("submit", "--priority", "nonesuch", "--", "true")
+    assert code == cli.EXIT_API and "nonesuch is not a priority class; use one of urgent, high" in err
+
+
+def test_the_python_client_submits_and_waits(stack, monkeypatch):
+    from hangar.client import Client, HangarError
+
+    monkeypatch.setenv("HANGAR_URL", stack.url)
+    monkeypatch.setenv("HANGAR_TOKEN", stack.token)
+    client = Client.from_config()
+    job = client.wait(client.submit({"project": "default", "command": ["true"]}, idempotency_key="py-1")["id"], 60)
+    assert job["state"] == "succeeded"
+    assert client.submit({"project": "default", "command": ["true"]}, idempotency_key="py-1")["id"] == job["id"]
+    with pytest.raises(HangarError) as refused:
+        client.submit({"project": "default", "command": "true"})
+    assert refused.value.code == cli.EXIT_API and refused.value.body["errors"][0]["field"] == "command"
