@@ -101,15 +101,28 @@ def cmd_login(args) -> int:
 
 
 def load_job_file(path: str) -> dict:
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    """The job file's fields; any file that cannot be read or parsed is bad usage (exit 2), in one line."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise HangarError(f"cannot read job file {path}: {reason}", EXIT_USAGE)
     if path.endswith((".yaml", ".yml")) or not text.lstrip().startswith("{"):
         try:
             import yaml
         except ImportError:
             raise HangarError("reading a YAML job file needs PyYAML: pip install PyYAML (or give JSON)", EXIT_USAGE)
-        spec = yaml.safe_load(text)
+        try:
+            spec = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise HangarError(f"{path} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}", EXIT_USAGE)
     else:
-        spec = json.loads(text)
+        try:
+            spec = json.loads(text)
+        except ValueError as exc:
+            raise HangarError(f"{path} is not valid JSON: {exc}", EXIT_USAGE)
     if not isinstance(spec, dict):
         raise HangarError(f"{path}: a job file holds one mapping of job fields (project, command, ...)", EXIT_USAGE)
     return spec
@@ -188,9 +201,15 @@ def describe(job: dict) -> str:
     ]
     if job.get("exit_code") is not None:
         head.append(f"  exit:     {job['exit_code']} ({job.get('failure_class') or 'ok'})")
-    attempts = [{**a, "gpus": a["gpu_indices"]} for a in job.get("attempts", [])]
-    columns = ["number", "state", "node", "gpus", "started_at", "finished_at", "exit_code", "failure_class"]
+    attempts = [{**a, "placement": placement_text(a)} for a in job.get("attempts", [])]
+    columns = ["number", "state", "placement", "started_at", "finished_at", "exit_code", "failure_class"]
     return "\n".join(head) + ("\n\n" + table(attempts, columns) if attempts else "")
+
+
+def placement_text(attempt: dict) -> str:
+    """Every rank's node and GPUs: `gpu-a[0,1] gpu-b[0,1]` (rank order)."""
+    ranks = attempt.get("placement") or [{"node": attempt["node"], "gpus": attempt["gpu_indices"]}]
+    return " ".join(f"{r['node']}[{','.join(str(g) for g in r['gpus'])}]" for r in ranks)
 
 
 def cmd_status(args) -> int:
@@ -208,7 +227,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    job = api_from(args).post(f"/api/v1/jobs/{args.job}/cancel/", {"reason": args.reason or ""})
+    job = api_from(args).cancel(args.job, args.reason or "")  # a job that already ended: 409, exit 5
     emit(args, job, f"job {job['id']}: {job['state']}")
     return EXIT_OK
 
@@ -232,9 +251,15 @@ def cmd_wait(args) -> int:
 # --- logs -------------------------------------------------------------------------
 
 
+LOG_FILTER_ARGS = ("node", "rank", "severity", "since", "until", "grep", "after")
+
+
 def log_filters(args) -> dict:
+    """The filters as the server's query parameters. Only the server filters (the REST pages
+    and the websocket alike), so `--grep`, `--since` and the rest mean exactly what the API's
+    do: a case-insensitive regular expression, times compared as instants (zone offsets count)."""
     return {
-        "node": args.node,
+        "node": args.node,  # (main gives commands without these flags, like submit --follow, None)
         "rank": args.rank,
         "severity": args.severity,
         "since": args.since,
@@ -243,24 +268,20 @@ def log_filters(args) -> dict:
     }
 
 
-def keep(line: dict, args) -> bool:
-    """The filters, applied here too, so they hold whatever the server already filtered."""
-    if args.node and line.get("node") != args.node:
-        return False
-    if args.rank is not None and line.get("rank") != args.rank:
-        return False
-    if args.severity and SEVERITIES.index(line.get("severity", "INFO")) < SEVERITIES.index(args.severity):
-        return False
-    if args.since and line["ts"] < args.since:
-        return False
-    if args.until and line["ts"] > args.until:
-        return False
-    return not (args.grep and not re.search(args.grep, line["text"]))
+def parse_cursor(text: str | None) -> dict:
+    """`--after ATTEMPT:SEQ` (what `logs --json` prints as each line's `cursor`)."""
+    if not text:
+        return {"attempt": 0, "seq": 0}
+    attempt, sep, seq = text.partition(":")
+    if not sep or not attempt.isdigit() or not seq.isdigit():
+        raise HangarError(f"--after {text!r}: write ATTEMPT:SEQ, e.g. --after 41:1200 (a line's cursor)", EXIT_USAGE)
+    return {"attempt": int(attempt), "seq": int(seq)}
 
 
 def print_line(args, line: dict) -> None:
     if args.json:
-        print(json.dumps(line), flush=True)
+        # Each line carries the cursor to resume after it: `hangar logs ID --after CURSOR`.
+        print(json.dumps({**line, "cursor": f"{line['attempt']}:{line['seq']}"}), flush=True)
     else:
         where = f"{line.get('node') or '-'} r{line.get('rank', 0)}"
         print(f"{line['ts'][11:23]} {where} {line['severity']:<7} {line['text']}", flush=True)
@@ -268,9 +289,9 @@ def print_line(args, line: dict) -> None:
 
 def cmd_logs(args) -> int:
     api = api_from(args)
+    cursor = parse_cursor(args.after)
     if args.follow:
-        return follow(api, args, args.job)
-    cursor = {"attempt": 0, "seq": 0}
+        return follow(api, args, args.job, cursor)
     while True:
         page = api.get(
             f"/api/v1/jobs/{args.job}/logs/",
@@ -280,34 +301,46 @@ def cmd_logs(args) -> int:
             **log_filters(args),
         )
         for line in page["lines"]:
-            if keep(line, args):
-                print_line(args, line)
+            print_line(args, line)
         # A page may be short, even empty, with more to come: a filter walking through lines that don't match.
         if not page["more"] or page["cursor"] == cursor:
             return EXIT_OK
         cursor = page["cursor"]
 
 
-def follow(api: Client, args, job_id: int) -> int:
-    """Stream the job's lines until it ends; reconnect from the last cursor if the socket drops."""
+# The server bounds every websocket message (1 MiB, README: Logs); the client accepts more.
+WS_MAX_SIZE = 8 * 1024 * 1024
+# Tries in a row that bring no new line or state before `follow` gives up (exit 6).
+FOLLOW_TRIES = 6
+
+
+def follow(api: Client, args, job_id: int, cursor: dict | None = None) -> int:
+    """Stream the job's lines until it ends; reconnect from the last cursor if the socket drops.
+    A connection that brings nothing new counts as a failure: after FOLLOW_TRIES in a row on the
+    same cursor it gives up, so a stream that keeps breaking ends instead of retrying for ever."""
     from websockets.exceptions import ConnectionClosed, InvalidStatus
     from websockets.sync.client import connect
 
-    cursor = {"attempt": 0, "seq": 0}
+    cursor = dict(cursor or {"attempt": 0, "seq": 0})
+    filters = {k: v for k, v in log_filters(args).items() if v not in (None, "")}
     failures = 0
     while True:
-        query = urlencode({"after_attempt": cursor["attempt"], "after_seq": cursor["seq"]})
+        query = urlencode({"after_attempt": cursor["attempt"], "after_seq": cursor["seq"], **filters})
         url = api.ws_url(f"/ws/jobs/{job_id}/logs/?{query}")
         try:
-            with connect(url, additional_headers={"Authorization": f"Bearer {api.token}"}, open_timeout=15) as ws:
-                failures = 0
+            with connect(
+                url, additional_headers={"Authorization": f"Bearer {api.token}"}, open_timeout=15, max_size=WS_MAX_SIZE
+            ) as ws:
                 for raw in ws:
                     message = json.loads(raw)
                     if message["type"] == "lines":
                         for line in message["lines"]:
-                            if keep(line, args):
-                                print_line(args, line)
+                            print_line(args, line)
+                        if message["lines"] or message["cursor"] != cursor:
+                            failures = 0  # progress: a later drop starts counting again
                         cursor = message["cursor"]
+                    elif message["type"] == "error":
+                        raise HangarError(f"{message.get('field')}: {message.get('message')}", EXIT_USAGE)
                     elif message["type"] == "state" and message["final"]:
                         job = api.get(f"/api/v1/jobs/{job_id}/")
                         if not args.json:
@@ -320,8 +353,13 @@ def follow(api: Client, args, job_id: int) -> int:
             )
         except (ConnectionClosed, OSError, TimeoutError) as exc:
             failures += 1
-            if failures > 5:
-                raise HangarError(f"lost the log stream of job {job_id}: {exc}", EXIT_UNREACHABLE)
+            if failures >= FOLLOW_TRIES:
+                where = f"{cursor['attempt']}:{cursor['seq']}"
+                raise HangarError(
+                    f"lost the log stream of job {job_id} {failures} times in a row at cursor {where}: {exc}; "
+                    f"resume with `hangar logs {job_id} --follow --after {where}`",
+                    EXIT_UNREACHABLE,
+                )
             time.sleep(min(0.5 * failures, 3))
 
 
@@ -435,7 +473,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--severity", choices=SEVERITIES, type=str.upper, help="this severity and above")
     p.add_argument("--since", help="ISO time, e.g. 2026-01-31T12:00")
     p.add_argument("--until", help="ISO time")
-    p.add_argument("--grep", help="a regular expression")
+    p.add_argument("--grep", help="a regular expression, case-insensitive (as the API's q=...&regex=1)")
+    p.add_argument("--after", metavar="ATTEMPT:SEQ", help="resume after this cursor (each --json line has its own)")
 
     p = command("wait", cmd_wait, "wait for a job to end; exit 0 succeeded, 1 failed, 3 cancelled, 4 infra")
     p.add_argument("job", type=int)
@@ -475,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as exc:  # --help, or bad usage (argparse printed why)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    for name, default in (("url", None), ("token", None), ("json", False)):
+    for name, default in (("url", None), ("token", None), ("json", False), *((n, None) for n in LOG_FILTER_ARGS)):
         if not hasattr(args, name):
             setattr(args, name, default)
     try:

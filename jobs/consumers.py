@@ -27,7 +27,6 @@ from jobs.messages import (
     Cursor,
     ErrorMessage,
     FirstErrorMessage,
-    LinesMessage,
     LogAppendedHint,
     StateMessage,
     SubscribedMessage,
@@ -40,6 +39,10 @@ log = logging.getLogger("hangar.web")
 # A subscription's first batch is small, so the view fills at once; a replay then goes on in
 # bigger ones (over PostgreSQL here: 18,000 lines/s in batches of 1,000, 28,000 in 5,000).
 FIRST_BATCH, BATCH = 1000, 5000
+# No message is larger than this (README: Logs, the websocket protocol): a batch of long lines
+# goes out in several messages, each with the cursor of its own last line. (Clients' default
+# limits are often 1 MiB; websockets' is, and a larger message is closed with 1009.)
+MAX_MESSAGE_BYTES = 512 * 1024
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
 
@@ -132,8 +135,8 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             moved = cursor != (sub.cursor["attempt"], sub.cursor["seq"])
             sub.cursor = {"attempt": cursor[0], "seq": cursor[1]}
             if lines or moved:
-                batch: LinesMessage = {"type": "lines", "sub": sub.number, "lines": lines, "cursor": sub.cursor}
-                await self.send_json(batch)
+                for text in lines_messages(sub.number, lines, sub.cursor):
+                    await self.send(text_data=text)
             for line in errors:
                 found: FirstErrorMessage = {
                     "type": "first_error",
@@ -191,6 +194,30 @@ class JobLogConsumer(AsyncWebsocketConsumer):
 
 # The state of a job's newest attempt, read in the same query as the job's (one query a poll).
 LATEST_ATTEMPT_STATE = Attempt.objects.filter(job=OuterRef("pk")).order_by("-number").values("state")[:1]
+
+
+def lines_messages(sub: int, lines: list, cursor: Cursor, limit: int = MAX_MESSAGE_BYTES) -> list[str]:
+    """A batch as LinesMessage texts of at most `limit` bytes each (a single line longer than
+    that still goes, alone: lines are capped at ingest far below it). Every message but the last
+    carries its last line's cursor, the last one the batch's, so a client that drops between
+    two messages resumes exactly after what it received."""
+
+    def message(encoded: list[str], at: Cursor) -> str:
+        return f'{{"type": "lines", "sub": {sub}, "lines": [{", ".join(encoded)}], "cursor": {json.dumps(at)}}}'
+
+    overhead = len(message([], cursor).encode()) + 64
+    texts, chunk, size, last = [], [], overhead, cursor
+    for line in lines:
+        encoded = json.dumps(line)
+        weight = len(encoded.encode()) + 2
+        if chunk and size + weight > limit:
+            texts.append(message(chunk, last))
+            chunk, size = [], overhead
+        chunk.append(encoded)
+        size += weight
+        last = {"attempt": line["attempt"], "seq": line["seq"]}
+    texts.append(message(chunk, cursor))
+    return texts
 
 
 class Subscription:

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -197,3 +198,67 @@ def test_the_python_client_submits_and_waits(stack, monkeypatch):
     with pytest.raises(HangarError) as refused:
         client.submit({"project": "default", "command": "true"})
     assert refused.value.code == cli.EXIT_API and refused.value.body["errors"][0]["field"] == "command"
+
+
+def test_follow_streams_wide_lines_in_bounded_messages(hangar):
+    """3,000 lines of 1,500 characters: more than 1 MiB a batch (issue: 0 lines, reconnecting for ever)."""
+    code, out, err = hangar(
+        "submit", "--", *script("for i in range(3000):\n    print(f'{i:05d} ' + 'x' * 1500, flush=True)")
+    )
+    assert code == 0, err
+    job_id = out.split()[1]
+
+    code, out, err = hangar("logs", job_id, "--follow")
+
+    numbers = [line.split(None, 4)[-1][:5] for line in out.splitlines() if line.split(None, 4)[-1][:1].isdigit()]
+    assert code == cli.EXIT_OK, err
+    assert numbers == [f"{i:05d}" for i in range(3000)]
+
+
+def test_the_client_filters_mean_what_the_servers_do_and_resume_from_a_cursor(hangar):
+    code, out, err = hangar(
+        "submit", "--wait", "--", *script("for i in range(6):\n    print(f'NCCL WARN step {i}', flush=True)")
+    )
+    assert code == 0, err
+    job_id = out.split()[1]
+    lines = [json.loads(line) for line in hangar("logs", job_id, "--json")[1].splitlines()]
+    steps = [line for line in lines if line["text"].startswith("NCCL")]
+
+    assert len(hangar("logs", job_id, "--grep", "nccl warn")[1].splitlines()) == 6  # case-insensitive, as q=
+    first = datetime.fromisoformat(steps[0]["ts"].replace("Z", "+00:00"))
+    same_instant = first.astimezone(timezone(timedelta(hours=1))).isoformat()  # ...T10:30:00+01:00
+    a_second_later = (first + timedelta(seconds=1)).astimezone(timezone(timedelta(hours=1))).isoformat()
+    assert len(hangar("logs", job_id, "--since", same_instant, "--grep", "step")[1].splitlines()) == 6
+    assert hangar("logs", job_id, "--since", a_second_later, "--grep", "step")[1] == ""
+
+    code, out, _ = hangar("logs", job_id, "--json", "--after", steps[2]["cursor"])
+    resumed = [json.loads(line)["text"] for line in out.splitlines()]
+    assert code == 0 and resumed[:3] == ["NCCL WARN step 3", "NCCL WARN step 4", "NCCL WARN step 5"]
+    assert hangar("logs", job_id, "--after", "3")[0] == cli.EXIT_USAGE
+
+
+def test_bad_job_files_and_cancelling_an_ended_job_say_so(hangar, tmp_path):
+    code, out, err = hangar("submit", "-f", str(tmp_path / "nonexistent.yaml"))
+    assert code == cli.EXIT_USAGE and err.count("\n") == 1 and "cannot read job file" in err and "Traceback" not in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("command: [python, train.py\n")
+    code, _, err = hangar("submit", "-f", str(broken))
+    assert code == cli.EXIT_USAGE and "is not valid YAML" in err and err.count("\n") == 1
+
+    code, out, _ = hangar("submit", "--wait", "--", "true")
+    job_id = out.split()[1]
+    code, _, err = hangar("cancel", job_id)
+    assert code == cli.EXIT_API and f"job {job_id} already ended (succeeded, exit 0)" in err
+
+
+def test_status_shows_every_ranks_node_and_gpus():
+    attempt = {
+        "number": 1, "state": "running", "node": "gpu-a", "gpu_indices": [0, 1], "started_at": None,
+        "finished_at": None, "exit_code": None, "failure_class": "",
+        "placement": [{"rank": 0, "node": "gpu-a", "gpus": [0, 1]}, {"rank": 1, "node": "gpu-b", "gpus": [2, 3]}],
+    }  # fmt: skip
+    job = {
+        "id": 7, "name": "ddp", "project": "vision", "submitted_by": "ada", "state": "running", "command": ["torchrun"],
+        "gpus_per_node": 2, "nodes": 2, "priority": "normal", "attempts": [attempt],
+    }  # fmt: skip
+    assert "gpu-a[0,1] gpu-b[2,3]" in cli.describe(job)

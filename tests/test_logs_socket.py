@@ -224,3 +224,21 @@ def test_each_filter_applies_to_history_and_to_live_lines(job, owner, query, his
 
     assert texts_of(before) == history
     assert [t for t in texts_of(after) if t != "live end"] == live
+
+
+def test_a_batch_of_wide_lines_goes_in_messages_under_the_bound_each_with_its_own_cursor():
+    import json as _json
+
+    from jobs.consumers import MAX_MESSAGE_BYTES, lines_messages
+
+    lines = [{"attempt": 4, "seq": seq, "text": "x" * 1500} for seq in range(1, 3001)]
+    texts = lines_messages(1, lines, {"attempt": 4, "seq": 3200})
+    messages = [_json.loads(text) for text in texts]
+
+    assert len(texts) > 1 and all(len(text.encode()) <= MAX_MESSAGE_BYTES for text in texts)
+    assert [line["seq"] for m in messages for line in m["lines"]] == list(range(1, 3001))
+    assert all(m["cursor"] == {"attempt": 4, "seq": m["lines"][-1]["seq"]} for m in messages[:-1])
+    assert messages[-1]["cursor"] == {"attempt": 4, "seq": 3200}  # the page's, past the last line shown
+    assert lines_messages(1, [], {"attempt": 4, "seq": 9}) == [
+        '{"type": "lines", "sub": 1, "lines": [], "cursor": {"attempt": 4, "seq": 9}}'
+    ]

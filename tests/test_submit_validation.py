@@ -217,3 +217,42 @@ def test_the_form_shows_the_api_error_for_a_reserved_env_variable(browser):
     assert response.status_code == 200
     assert "CUDA_VISIBLE_DEVICES is set by Hangar for each attempt" in response.content.decode()
     assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "fragment"),
+    [
+        ({"command": [1, 2]}, "command[0]", "must be a string (in double quotes); got a number"),
+        ({"command": ["python", True]}, "command[1]", "got a boolean"),
+        ({"env": {"A": 1}}, "env.A", "must be a string (in double quotes); got a number"),
+        ({"secret_env": {"TOKEN": None}}, "secret_env.TOKEN", "must be a string"),
+        ({"env": ["A=1"]}, "env", 'must be an object of NAME: "value" pairs'),
+        ({"name": {"x": 1}}, "name", "got an object"),
+    ],
+)
+def test_it_refuses_values_that_are_not_strings_naming_the_item(submit, fields, field, fragment):
+    assert_refused(submit(**fields), field, fragment)
+
+
+def test_it_says_what_to_send_when_the_body_is_not_an_object(owner, project, node):
+    response = api_client(owner).post(URL, [{"project": "vision"}], format="json")
+
+    assert response.status_code == 400
+    assert "the body must be a JSON object of job fields" in response.json()["message"]
+    assert "got list" in response.json()["message"]
+    assert not Job.objects.exists()
+
+
+def test_cancelling_a_job_that_ended_is_a_conflict_that_says_how_it_ended(owner, project, node):
+    job = Job.objects.create(
+        project=project, submitted_by=owner, name="done", command=["true"], max_runtime_seconds=60,
+        state=JobState.SUCCEEDED, exit_code=0,
+    )  # fmt: skip
+
+    response = api_client(owner).post(f"/api/v1/jobs/{job.pk}/cancel/")
+
+    assert response.status_code == 409
+    assert response.json()["code"] == "already_ended"
+    assert response.json()["message"] == f"job {job.pk} already ended (succeeded, exit 0); there is nothing to cancel"
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED

@@ -16,11 +16,49 @@ RESERVED_ENV_PREFIX = "HANGAR_"
 ARGV_EXAMPLE = '["python", "train.py", "--epochs", "3"]'
 
 
-class ArgvField(serializers.ListField):
-    """A command as an argv list. A string is refused: the API never splits or shells it."""
+def type_name(value) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", dict: "an object", list: "a list"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+class Text(serializers.CharField):
+    """A string as sent: a number or a boolean is refused, not silently turned into text
+    (`"env": {"A": 1}` would run with "1"; `"command": [1]` would fail at start)."""
+
+    default_error_messages = {
+        "invalid": "must be a string (in double quotes); got {input_type}",
+        "null": "must be a string (in double quotes); got null",
+    }
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid", input_type=type_name(data))
+        return super().to_internal_value(data)
+
+
+class TextMap(serializers.DictField):
+    """NAME -> string: an object whose values are strings."""
+
+    default_error_messages = {
+        "not_a_dict": 'must be an object of NAME: "value" pairs, e.g. {{"EPOCHS": "3"}}; got {input_type}',
+        "empty": "must not be empty",
+    }
 
     def __init__(self, **kwargs):
-        super().__init__(child=serializers.CharField(allow_blank=True, trim_whitespace=False), **kwargs)
+        super().__init__(child=Text(allow_blank=True, trim_whitespace=False), **kwargs)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            self.fail("not_a_dict", input_type=type_name(data))
+        return super().to_internal_value(data)
+
+
+class ArgvField(serializers.ListField):
+    """A command as an argv list of strings. A string is refused: the API never splits or shells it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(child=Text(allow_blank=True, trim_whitespace=False), **kwargs)
 
     def to_internal_value(self, data):
         if isinstance(data, str):
@@ -52,7 +90,12 @@ class VolumeRequestSerializer(serializers.Serializer):
 
 
 class JobSubmitSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    default_error_messages = {
+        "invalid": 'the body must be a JSON object of job fields, e.g. {{"project": "vision", "command": ["python", '
+        '"train.py"]}}; got {datatype}'
+    }
+
+    name = Text(max_length=200, required=False, allow_blank=True)
     project = serializers.SlugField(
         error_messages={"required": "is required: give the slug of a project you are a member of"}
     )
@@ -64,14 +107,13 @@ class JobSubmitSerializer(serializers.Serializer):
             "Hangar never runs a command through a shell",
         }
     )
-    env = serializers.DictField(child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False)
-    secret_env = serializers.DictField(
-        child=serializers.CharField(allow_blank=True, trim_whitespace=False),
+    env = TextMap(required=False)
+    secret_env = TextMap(
         required=False,
         help_text="Variables given to the job but never shown back (masked in pages, API and audit).",
     )
     volumes = VolumeRequestSerializer(many=True, required=False)
-    idempotency_key = serializers.CharField(
+    idempotency_key = Text(
         max_length=200,
         required=False,
         allow_blank=True,
@@ -87,13 +129,13 @@ class JobSubmitSerializer(serializers.Serializer):
         min_value=1,
         error_messages={"min_value": "must be at least 1 node", "invalid": "must be a whole number of nodes"},
     )
-    gpu_type = serializers.CharField(required=False, allow_blank=True, max_length=64)
-    priority = serializers.CharField(required=False, allow_blank=True, max_length=32)
+    gpu_type = Text(required=False, allow_blank=True, max_length=64)
+    priority = Text(required=False, allow_blank=True, max_length=32)
     preemptible = serializers.BooleanField(required=False, allow_null=True, default=None)
     max_retries = serializers.IntegerField(
         default=0, min_value=0, max_value=100, error_messages={"max_value": "must be at most 100 retries"}
     )
-    environment = serializers.CharField(required=False, allow_blank=True, max_length=64)
+    environment = Text(required=False, allow_blank=True, max_length=64)
     max_runtime_seconds = serializers.IntegerField(
         required=False,
         min_value=1,
@@ -103,9 +145,13 @@ class JobSubmitSerializer(serializers.Serializer):
         },
     )
 
-    code_version = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    code_version = Text(required=False, allow_blank=True, max_length=200)
     config = serializers.JSONField(required=False)
-    data_refs = serializers.ListField(child=serializers.CharField(), required=False)
+    data_refs = serializers.ListField(
+        child=Text(),
+        required=False,
+        error_messages={"not_a_list": 'must be a list of strings, e.g. ["s3://bucket/imagenet@v3"]; got {input_type}'},
+    )
 
     def get_fields(self) -> dict:
         # DRF deep-copies every declared field, nested ones too, for each instance: a

@@ -30,6 +30,11 @@ class IdempotencyConflict(APIException):
     default_code = "idempotency_conflict"
 
 
+class AlreadyEnded(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "already_ended"
+
+
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
     queryset = Job.objects.none()  # for the schema; requests use get_queryset
@@ -86,12 +91,15 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             )
         return Response(JobSerializer(job).data, status=status.HTTP_200_OK, headers={"Idempotent-Replayed": "true"})
 
-    @extend_schema(request=REASON, responses=JobSerializer)
+    @extend_schema(request=REASON, responses={200: JobSerializer, 409: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         job = self.get_object()
         if not can_cancel(request.user, job):
             raise PermissionDenied("only the job's submitter or a manager of its project can cancel it")
+        if job.is_final:
+            how = f", exit {job.exit_code}" if job.exit_code is not None else ""
+            raise AlreadyEnded(f"job {job.pk} already ended ({job.state}{how}); there is nothing to cancel")
         reason = str(request.data.get("reason", "")) if isinstance(request.data, dict) else ""
         job.cancel(request.user, reason or f"cancelled by {request.user}")
         job.refresh_from_db()
