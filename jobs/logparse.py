@@ -79,6 +79,12 @@ class SeverityReader:
         self.after_traceback = False  # a blank line then "During handling ..." chains another
 
     def __call__(self, text: str) -> int:
+        # A line naming an NCCL/Xid/CUDA/ECC fault is at least a warning, whatever level it
+        # printed itself at: a severity >= WARNING filter must not hide the line a health event cites.
+        level = self.level(text)
+        return max(level, Severity.WARNING) if level < Severity.WARNING and is_fault(text) else level
+
+    def level(self, text: str) -> int:
         if text.startswith(_TRACEBACK_START) or (self.after_traceback and text.startswith(_CHAINED)):
             self.in_traceback, self.after_traceback = True, False
             return Severity.ERROR

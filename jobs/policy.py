@@ -97,8 +97,19 @@ class Placement:
 
 @dataclass
 class Waiting:
-    code: str  # quota, project_limit, user_limit, gpu_type, environment, capacity, reserved, preempting
+    code: str  # quota, project_limit, user_limit, gpu_type, environment, no_ready_node, capacity, reserved, preempting
     message: str
+
+
+@dataclass(frozen=True)
+class UnreadyNode:
+    """A registered node that takes no work now: cordoned, draining, offline, unhealthy, or silent."""
+
+    name: str
+    gpu_model: str
+    gpu_count: int
+    state: str
+    reason: str = ""
 
 
 @dataclass
@@ -368,6 +379,8 @@ def mark_borrowed(running: list[RunningAttempt], projects: dict[int, ProjectLimi
 
 def never_fits(request: Request, nodes) -> Waiting | None:
     typed = [n for n in nodes if not request.gpu_type or n.gpu_model == request.gpu_type]
+    if not typed and not request.gpu_type:
+        return Waiting("no_ready_node", "no node is ready")
     if not typed:
         return Waiting("gpu_type", f"no ready node has {request.gpu_type} GPUs")
     envs = [n for n in typed if request.matches(n)]
@@ -380,6 +393,29 @@ def never_fits(request: Request, nodes) -> Waiting | None:
         kind = f"{request.gpu_type} " if request.gpu_type else ""
         return Waiting("gpu_type", f"no {what} with {request.gpus} {kind}GPUs each is ready")
     return None
+
+
+NEVER_FITS_CODES = ("no_ready_node", "gpu_type", "environment")
+
+
+def not_ready_detail(request: Request, waiting: Waiting, unready: list[UnreadyNode]) -> Waiting:
+    """A job no ready node can run, told with the nodes that could once they are back
+    (how many, in which state, and why), so a user sees it waits on a cordon, not on a typo."""
+    if waiting.code not in NEVER_FITS_CODES:
+        return waiting
+    could = [n for n in unready if (not request.gpu_type or n.gpu_model == request.gpu_type)]
+    could = [n for n in could if n.gpu_count >= request.gpus]
+    if not could:
+        return waiting
+    by_state: dict[str, int] = defaultdict(int)
+    for n in could:
+        by_state[n.state] += 1
+    counts = ", ".join(f"{count} {state}" for state, count in sorted(by_state.items()))
+    shown = "; ".join(f"{n.name} {n.state}" + (f": {n.reason}" if n.reason else "") for n in could[:3])
+    more = f"; and {len(could) - 3} more" if len(could) > 3 else ""
+    return Waiting(
+        "no_ready_node", f"{waiting.message}: {len(could)} that could are not ready ({counts}): {shown}{more}"
+    )
 
 
 def choose_victims(request: Request, index: FleetIndex, candidates: list[RunningAttempt]):

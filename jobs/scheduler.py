@@ -40,8 +40,10 @@ from jobs.policy import (  # noqa: F401  (place and friends are this module's pu
     QueuedJob,
     Request,
     RunningAttempt,
+    UnreadyNode,
     estimate_starts,
     mark_borrowed,
+    not_ready_detail,
     place,
     plan,
 )
@@ -269,6 +271,13 @@ def reconcile() -> None:
 # --- the queue as users see it ----------------------------------------------------
 
 
+def unready_nodes(schedulable: set[int]) -> list[UnreadyNode]:
+    rows = Node.objects.exclude(pk__in=schedulable).order_by("name")
+    rows = rows.values_list("name", "gpu_model", "gpu_count", "state", "state_reason")
+    # A ready node that is not schedulable has gone silent: it is offline in all but name.
+    return [UnreadyNode(n, m, c, "silent" if s == "ready" else s, r) for n, m, c, s, r in rows]
+
+
 def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     """Every queued job in order with why it waits and when it should start, read
     without locks (a dry run of the next pass); and the reasons by job id."""
@@ -277,6 +286,7 @@ def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     running, projects, envs = running_attempts(now), project_limits(), node_environments(nodes)
     mark_borrowed(running, projects)
     jobs = queued_jobs()
+    unready = unready_nodes({n.pk for n in nodes})
     decided = plan(jobs, free_gpus(nodes, running, envs), running, projects)
     starts = estimate_starts(jobs, free_gpus(nodes, running, envs), running)
     starting = {p.job_id for p in decided.placements}
@@ -286,6 +296,7 @@ def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
         if job.job_id in starting:
             reason = {"code": "starting", "message": "fits now: starts at the next scheduling pass"}
         elif waiting is not None:
+            waiting = not_ready_detail(job.request, waiting, unready)
             reason = {"code": waiting.code, "message": waiting.message}
         else:
             reason = {"code": "capacity", "message": "waiting for free GPUs"}

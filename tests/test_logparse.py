@@ -6,7 +6,7 @@ import queue
 import pytest
 
 from agent.output import read_lines
-from jobs.logparse import TRUNCATION_MARKER, decode_line, severity_of
+from jobs.logparse import TRUNCATION_MARKER, SeverityReader, decode_line, severity_of
 from jobs.models import Severity, Stream
 
 
@@ -142,3 +142,12 @@ def test_an_empty_pipe_gives_only_the_sentinel():
     items, _ = drain(b"")
 
     assert items == [(Stream.STDOUT, None, None, False)]
+
+
+def test_a_line_naming_a_fault_is_at_least_a_warning_whatever_level_it_printed():
+    read = SeverityReader(Stream.STDOUT)
+
+    assert read("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.") == Severity.WARNING
+    assert read("INFO NCCL WARN Call to ibv_post_send failed") == Severity.WARNING
+    assert read("ERROR CUDA error: an illegal memory access was encountered") == Severity.ERROR
+    assert read("epoch 3 loss 0.12") == Severity.INFO

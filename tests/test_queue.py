@@ -147,3 +147,21 @@ def test_the_job_page_shows_every_ranks_node(client, project, owner, node):
     body = client.get(f"/jobs/{job.pk}/").content.decode()
 
     assert "rank 0: node-a" in body and "rank 1: node-b" in body
+
+
+def test_a_job_waiting_on_cordoned_nodes_says_which_and_why(project, owner, node):
+    make_node("node-b", gpus=4).cordon(owner, "Xid 79 on GPU 2")
+    node.drain(owner, "fan swap")
+    job = make_job(project, owner)
+    alien = make_job(project, owner, gpu_type="B300")
+
+    rows = {row["id"]: row for row in waiting(owner)}
+
+    reason = rows[job.pk]["reason"]
+    assert reason["code"] == "no_ready_node"
+    assert reason["message"] == (
+        "no node is ready: 2 that could are not ready (1 cordoned, 1 draining): "
+        "node-a draining: fan swap; node-b cordoned: Xid 79 on GPU 2"
+    )
+    assert "  " not in reason["message"]
+    assert rows[alien.pk]["reason"] == {"code": "gpu_type", "message": "no ready node has B300 GPUs"}

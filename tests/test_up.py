@@ -37,3 +37,20 @@ def test_asked_again_while_stopping_it_kills_the_children_that_linger(monkeypatc
     assert quick.returncode == -signal.SIGTERM
     assert stubborn.returncode == -signal.SIGKILL
     assert time.monotonic() - started < 30  # not the 60 s it would have waited
+
+
+def test_a_child_that_a_ctrl_c_stopped_first_is_a_clean_stop_not_an_error():
+    """Ctrl-C reaches every process of the terminal: the web server may exit 0 before `up`
+    sees its own SIGINT (issue: `CommandError: web exited with code 0`, make: Error 1)."""
+    import pytest
+    from django.core.management.base import CommandError
+
+    stopped = subprocess.Popen([sys.executable, "-c", "pass"])
+    stopped.wait()
+    with pytest.raises(KeyboardInterrupt):
+        up.check_alive({"web": stopped})
+
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    failed.wait()
+    with pytest.raises(CommandError, match="web exited with code 3"):
+        up.check_alive({"web": failed})

@@ -140,10 +140,19 @@ def wait_for_agent(since, children: dict[str, subprocess.Popen], timeout: float 
         time.sleep(0.2)
 
 
+# How a child ends when a stop was asked for: Ctrl-C reaches the whole terminal's process
+# group, so a child may exit (0, or by SIGINT) before this process has seen its own SIGINT.
+STOPPED = (0, -signal.SIGINT, 128 + signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGTERM)
+
+
 def check_alive(children: dict[str, subprocess.Popen]) -> None:
+    """Raise if a child ended: KeyboardInterrupt (a clean stop, exit 0) if it was stopped, else CommandError."""
     for name, proc in children.items():
-        if proc.poll() is not None:
-            raise CommandError(f"{name} exited with code {proc.returncode}; see its output above")
+        if proc.poll() is None:
+            continue
+        if proc.returncode in STOPPED:
+            raise KeyboardInterrupt
+        raise CommandError(f"{name} exited with code {proc.returncode}; see its output above")
 
 
 def watch(children: dict[str, subprocess.Popen]) -> None:
