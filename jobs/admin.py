@@ -34,7 +34,7 @@ class EnvironmentAdmin(admin.ModelAdmin):
 
 @admin.register(GpuRate)
 class GpuRateAdmin(admin.ModelAdmin):
-    list_display = ["gpu_type", "effective_from", "per_gpu_hour"]
+    list_display = ["gpu_type", "effective_from", "per_gpu_hour", "note"]
     list_filter = ["gpu_type"]
 
 

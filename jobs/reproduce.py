@@ -36,7 +36,14 @@ def record(job) -> dict:
     spec = {name: spec_value(job, name) for name in SPEC_FIELDS}
     spec["env"] = masked_env(job.env)
     spec["placement"] = [
-        {"attempt": a.number, "node": a.node.name, "gpu_type": a.node.gpu_model, "gpu_indices": a.gpu_indices}
+        {
+            "attempt": a.number,
+            "node": a.node.name,
+            "gpu_type": a.node.gpu_model,
+            "gpu_indices": a.gpu_indices,
+            # Every rank's node and GPUs, rank 0 first (a multi-node attempt ran on several).
+            "ranks": [{"rank": r["rank"], "node": r["node"] or a.node.name, "gpu_indices": r["gpus"]} for r in a.ranks],
+        }
         for a in job.attempts.select_related("node")
     ]
     spec["mlflow_run_id"] = job.mlflow_run_id

@@ -10,6 +10,7 @@ urlpatterns = [
     path("<int:pk>/move/", views.move, name="job-move"),
     path("<int:pk>/", views.job_detail, name="job-detail"),
     path("<int:pk>/status/", views.job_status, name="job-status"),
+    path("<int:pk>/cost/", views.job_cost_card, name="job-cost"),
     path("<int:pk>/cancel/", views.cancel, name="job-cancel"),
     path("<int:pk>/run-again/", views_experiments.run_again, name="job-run-again"),
     path("compare/", views_experiments.compare, name="job-compare"),

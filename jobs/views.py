@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.contrib import messages
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -7,6 +8,7 @@ from jobs.api.serializers import JobSubmitSerializer
 from jobs.api.views import can_cancel, movable_jobs, queue_state
 from jobs.forms import JobForm
 from jobs.models import Job
+from jobs.templatetags.experiments import cost_context
 from jobs.views_costs import warn_budget
 
 
@@ -46,7 +48,14 @@ def status_context(request, job: Job) -> dict:
 
 def job_detail(request, pk: int):
     job = visible_job(request, pk)
-    return render(request, "jobs/job_detail.html", status_context(request, job))
+    context = {**status_context(request, job), "log_view_lines": settings.HANGAR_LOG_VIEW_LINES}
+    return render(request, "jobs/job_detail.html", context)
+
+
+def job_cost_card(request, pk: int):
+    """The job's Cost card: a partial the page refreshes when the job's state changes (and while it runs)."""
+    job = visible_job(request, pk)
+    return render(request, "jobs/partials/job_cost.html", cost_context(job))
 
 
 def job_status(request, pk: int):

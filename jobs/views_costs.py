@@ -9,10 +9,11 @@ from django.http import StreamingHttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
+from fleet.models import Node
 from jobs import costreports
 from jobs.api.costs import budget_warning
 from jobs.costreports import CostFilter
-from jobs.models import JobState
+from jobs.models import GpuRate, JobState
 
 PAGE_SIZE = 50
 OVERVIEW_DAYS = 31
@@ -24,7 +25,14 @@ def filter_context(request, f: CostFilter) -> dict:
     gpu_types = sorted(
         set(costreports.CostDaily.objects.filter(project__in=projects).values_list("gpu_type", flat=True))
     )
+    fleet_types = set(Node.objects.values_list("gpu_model", flat=True)) - {"none"}
     return {
+        "unpriced": GpuRate.unpriced(fleet_types),
+        "example_rates": sorted(
+            GpuRate.objects.filter(note=GpuRate.EXAMPLE_NOTE, gpu_type__in=fleet_types).values_list(
+                "gpu_type", flat=True
+            )
+        ),
         "f": f,
         "projects": projects,
         "gpu_types": gpu_types,

@@ -11,7 +11,7 @@ log = logging.getLogger("hangar.web")
 
 # Paths that answer anonymous requests themselves: the API (401 in JSON), the
 # login page, and static files.
-PUBLIC_PREFIXES = ("/api/", "/login/", "/static/", "/admin/")
+PUBLIC_PREFIXES = ("/api/", "/login/", "/static/", "/admin/", "/favicon.ico")
 
 
 class LoginRequiredMiddleware:

@@ -322,6 +322,8 @@ HANGAR_LOG_LINE_MAX_BYTES = env_int("HANGAR_LOG_LINE_MAX_BYTES", 16 * 1024, mini
 HANGAR_LOG_SPOOL_DIR = Path(env_str("HANGAR_LOG_SPOOL_DIR", str(DATA_DIR / "log-spool")))
 HANGAR_LOG_SPOOL_FLUSH_SECONDS = env_float("HANGAR_LOG_SPOOL_FLUSH_SECONDS", 60.0)
 # Log lines older than this are deleted by the scheduler's periodic pass, in batches.
+# How many lines the job page's log view keeps (the oldest go; the download has them all).
+HANGAR_LOG_VIEW_LINES = env_int("HANGAR_LOG_VIEW_LINES", 200_000, minimum=100)
 HANGAR_LOG_RETENTION_DAYS = env_float("HANGAR_LOG_RETENTION_DAYS", 60.0, minimum=0.001)
 HANGAR_LOG_RETENTION_INTERVAL_SECONDS = env_float("HANGAR_LOG_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0)
 # A filtered page of log lines (PostgreSQL): the planner's plan gets this long; a

@@ -1,6 +1,8 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
+from django.templatetags.static import static
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from portal import views
@@ -15,6 +17,8 @@ handler404 = "portal.api.errors.not_found"
 handler500 = "portal.api.errors.crashed"
 
 urlpatterns = [
+    # Browsers ask for /favicon.ico on pages without a <link rel="icon"> (the admin's, a JSON answer).
+    path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("", include("jobs.urls_dashboard")),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

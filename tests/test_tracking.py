@@ -7,7 +7,7 @@ from django.utils import timezone
 from agent.runner import Runner
 from jobs import reproduce, tracking
 from jobs.models import Environment, Job, JobCost
-from tests.factories import api_client, make_attempt, make_job
+from tests.factories import api_client, make_attempt, make_job, make_node
 
 
 @pytest.fixture
@@ -91,7 +91,15 @@ def test_the_reproduce_record_masks_secrets(job, node, owner):
     make_attempt(job, node, "running", gpu_indices=[2, 3])
     record = reproduce.record(job)
     assert record["env"] == {"LR": "0.1", "HF_TOKEN": reproduce.MASK}
-    assert record["placement"] == [{"attempt": 1, "node": "node-a", "gpu_type": "H100", "gpu_indices": [2, 3]}]
+    assert record["placement"] == [
+        {
+            "attempt": 1,
+            "node": "node-a",
+            "gpu_type": "H100",
+            "gpu_indices": [2, 3],
+            "ranks": [{"rank": 0, "node": "node-a", "gpu_indices": [2, 3]}],
+        }
+    ]
     client = Client()
     client.force_login(owner)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
@@ -137,3 +145,18 @@ def test_the_job_page_links_to_the_mlflow_ui_when_one_is_configured(settings, jo
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert 'href="http://mlflow.example:5000/#/experiments/3/runs/abc"' in page
     assert 'data-metrics-url="/api/v1/jobs/' in page
+
+
+def test_the_reproduce_record_and_card_show_every_ranks_node(job, node, owner):
+    other = make_node("node-b")
+    placement = [{"rank": 0, "node_id": node.pk, "node": node.name, "gpus": [0, 1]},
+                 {"rank": 1, "node_id": other.pk, "node": "node-b", "gpus": [2, 3]}]  # fmt: skip
+    make_attempt(job, node, "running", gpu_indices=[0, 1], placement=placement)
+
+    ranks = reproduce.record(job)["placement"][0]["ranks"]
+    assert [(r["rank"], r["node"], r["gpu_indices"]) for r in ranks] == [(0, "node-a", [0, 1]), (1, "node-b", [2, 3])]
+    client = Client()
+    client.force_login(owner)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    section = page.split('id="job-reproduce"', 1)[1].split("</section>", 1)[0]
+    assert "rank 0 node-a GPUs 0,1; rank 1 node-b GPUs 2,3" in section

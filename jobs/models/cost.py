@@ -19,6 +19,7 @@ class GpuRate(models.Model):
     gpu_type = models.CharField(max_length=64)
     effective_from = models.DateTimeField()
     per_gpu_hour = models.DecimalField(max_digits=12, decimal_places=4)
+    note = models.CharField(max_length=200, blank=True, help_text="e.g. that it is an example rate to replace.")
 
     class Meta:
         ordering = ["gpu_type", "effective_from"]
@@ -26,6 +27,28 @@ class GpuRate(models.Model):
 
     def __str__(self) -> str:
         return f"{self.gpu_type} {self.per_gpu_hour}/GPU-hour from {self.effective_from:%Y-%m-%d %H:%M}"
+
+    EXAMPLE_NOTE = "example rate seeded at first start: replace it with what your GPUs cost"
+    # Per GPU-hour, roughly what clouds asked in 2026; only for a fleet with no rate at all.
+    EXAMPLES = {"H100": "2.50", "H200": "3.50", "B300": "6.00", "A100": "1.50", "L40S": "0.90"}
+
+    @classmethod
+    def seed_examples(cls) -> list[str]:
+        """On a fleet with no rate at all, example rates for the common GPU types (labelled so)."""
+        if cls.objects.exists():
+            return []
+        since = timezone.now().replace(year=2000, month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
+        cls.objects.bulk_create(
+            cls(gpu_type=t, effective_from=since, per_gpu_hour=p, note=cls.EXAMPLE_NOTE)
+            for t, p in cls.EXAMPLES.items()
+        )
+        return list(cls.EXAMPLES)
+
+    @classmethod
+    def unpriced(cls, gpu_types) -> list[str]:
+        """Of these GPU types, those with no rate: their GPU time costs nothing."""
+        priced = set(cls.objects.filter(gpu_type__in=list(gpu_types)).values_list("gpu_type", flat=True))
+        return sorted(set(gpu_types) - priced)
 
     @classmethod
     def rates_for(cls, gpu_type: str) -> list:

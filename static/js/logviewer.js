@@ -11,7 +11,8 @@
   if (!log) return;
   const ROW = 18;          // px per row; matches .log .line in hangar.css
   const OVERSCAN = 30;     // rows rendered above and below the view
-  const MAX_LINES = 200000;  // beyond this the oldest are dropped from the view (download has all)
+  // Beyond this the oldest are dropped from the view (the download has all): HANGAR_LOG_VIEW_LINES.
+  const MAX_LINES = Number(document.getElementById("log").dataset.maxLines) || 200000;
   const COLLAPSE_WINDOW = 2000;  // identical lines of several ranks are merged within this many rows
 
   const $ = (id) => document.getElementById(id);
@@ -26,6 +27,8 @@
 
   let lines = [];          // every line received for the current filters, in order
   let rows = [];           // what is shown: {line, ranks: Set, count}
+  let dropped = 0;         // lines received but no longer kept in the view (past MAX_LINES)
+  const truncatedEl = $("log-truncated");
   let recent = new Map();  // collapse: attempt + text -> row index
   let cursor = { attempt: 0, seq: 0 };
   let filters = {};
@@ -75,7 +78,12 @@
       addOption(form.elements.attempt, line.attempt_number, "attempt " + line.attempt_number);
       place(line);
     }
-    if (lines.length > MAX_LINES) { lines = lines.slice(lines.length - MAX_LINES * 0.9); rebuild(); }
+    if (lines.length > MAX_LINES) {
+      const kept = Math.floor(MAX_LINES * 0.9);
+      dropped += lines.length - kept;
+      lines = lines.slice(lines.length - kept);
+      rebuild();
+    }
     if (pendingJump) jumpTo(pendingJump);
     schedule();
   }
@@ -97,8 +105,11 @@
     for (let i = first; i < last; i++) fragment.appendChild(rowElement(rows[i], i));
     rowsEl.style.transform = "translateY(" + first * ROW + "px)";
     rowsEl.replaceChildren(fragment);
-    countEl.textContent = lines.length.toLocaleString() + " line" + (lines.length === 1 ? "" : "s") +
-      (rows.length !== lines.length ? " in " + rows.length.toLocaleString() + " rows" : "");
+    countEl.textContent = (dropped ? "the latest " : "") +
+      lines.length.toLocaleString() + " line" + (lines.length === 1 ? "" : "s") +
+      (rows.length !== lines.length ? " in " + rows.length.toLocaleString() + " rows" : "") +
+      (dropped ? " of " + (lines.length + dropped).toLocaleString() + " (older ones are in the download)" : "");
+    truncatedEl.hidden = !dropped;
   }
 
   function rowElement(row, index) {
@@ -136,11 +147,15 @@
     el.appendChild(document.createTextNode(text.substring(at)));
   }
 
+  let shownState = null;  // the job and attempt state the cards were last refreshed for
+
   function showState(message) {
-    const badge = document.getElementById("job-state");
-    if (badge && badge.dataset.state !== message.state) {
-      document.body.dispatchEvent(new Event("job-state-changed"));
-    }
+    // The state, attempts and cost cards follow the job as the socket reports it (their htmx
+    // partials listen for this event), not only their own slower poll: the page may have been
+    // drawn a moment before the job moved on, so the first report refreshes them too.
+    const key = message.state + "/" + message.attempt_state + "/" + message.exit_code;
+    if (key !== shownState) document.body.dispatchEvent(new Event("job-state-changed"));
+    shownState = key;
     if (message.final) {
       finished = true;
       setStatus("job " + message.state + (message.exit_code !== null ? " (exit code " + message.exit_code + ")" : ""));
@@ -222,7 +237,7 @@
   function applyFilters() {
     filters = readFilters();
     filterError.textContent = "";
-    lines = []; cursor = { attempt: 0, seq: 0 }; multi = false;
+    lines = []; cursor = { attempt: 0, seq: 0 }; multi = false; dropped = 0;
     rebuild();
     setFollow(true);
     for (const link of downloads) {

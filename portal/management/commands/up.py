@@ -35,6 +35,7 @@ class Command(BaseCommand):
     def handle(self, *args, host, port, no_agent, no_scheduler=False, **options):
         check_port_free(host, port)
         call_command("migrate", interactive=False, verbosity=0)
+        call_command("example_rates")  # a first start has no rate: cost pages would read 0.00
         login = ensure_admin()
         ensure_default_project()
         started = timezone.now()
