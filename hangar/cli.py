@@ -149,6 +149,7 @@ def job_spec(args) -> dict:
         "nodes": args.nodes,
         "gpu_type": args.gpu_type,
         "priority": args.priority,
+        "environment": args.environment,
         "max_runtime_seconds": args.max_runtime,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
@@ -446,6 +447,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpu-type")
     p.add_argument("--priority", help="a priority class of the server (`hangar priorities` lists them)")
+    p.add_argument("--environment", help="a named environment, e.g. hangar-venv (this install's virtualenv)")
     p.add_argument("--max-runtime", type=int, metavar="SECONDS")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE")
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")

@@ -192,13 +192,30 @@ def metrics(job: Job) -> dict:
 
 
 def metrics_figure(series: dict) -> dict:
+    """One panel per metric (small multiples: a loss and an accuracy do not share a scale), each
+    titled with its name, over a shared step axis; buttons switch every y axis linear/log."""
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
-    fig = go.Figure()
-    for key, points in series.items():
-        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers", name=key))
+    names = list(series)
+    rows = max(1, len(names))
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=min(0.08, 0.3 / rows))
+    for row, key in enumerate(names, start=1):
+        points = series[key]
+        line = go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers", name=key)
+        fig.add_trace(line, row=row, col=1)
+        fig.update_yaxes(title_text=key, row=row, col=1)
+    fig.update_xaxes(title_text="step", row=rows, col=1)
+    axes = [f"yaxis{'' if row == 1 else row}.type" for row in range(1, rows + 1)]
+    scale = [
+        {"label": kind, "method": "relayout", "args": [dict.fromkeys(axes, kind)]} for kind in ("linear", "log")
+    ]
     fig.update_layout(
-        margin={"l": 40, "r": 10, "t": 10, "b": 40}, height=320, xaxis_title="step", legend={"orientation": "h"}
+        margin={"l": 60, "r": 10, "t": 30, "b": 40},
+        height=max(320, 220 * rows),
+        showlegend=True,
+        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
+        updatemenus=[{"type": "buttons", "direction": "left", "x": 1, "xanchor": "right", "y": 1.08, "buttons": scale}],
     )
     return json.loads(fig.to_json())
 

@@ -262,3 +262,13 @@ def test_status_shows_every_ranks_node_and_gpus():
         "gpus_per_node": 2, "nodes": 2, "priority": "normal", "attempts": [attempt],
     }  # fmt: skip
     assert "gpu-a[0,1] gpu-b[2,3]" in cli.describe(job)
+
+
+def test_a_job_in_the_hangar_venv_environment_runs_this_virtualenvs_python(hangar):
+    code, out, err = hangar(
+        "submit", "--wait", "--environment", "hangar-venv", "--", "python", "-c", "import sys; print(sys.prefix)"
+    )
+    assert code == 0, err
+    job_id = out.split()[1]
+    printed = [line.split(None, 4)[-1] for line in hangar("logs", job_id)[1].splitlines()]
+    assert sys.prefix in printed

@@ -67,3 +67,14 @@ def test_the_cost_card_is_a_partial_that_follows_the_job(owner, project, node):
 def test_the_cost_card_is_scoped_to_the_callers_projects(owner, outsider, project, other_project):
     job = make_job(project, owner)
     assert signed_in(outsider).get(f"/jobs/{job.pk}/cost/").status_code == 404
+
+
+def test_the_virtualenv_hangar_runs_in_is_a_named_host_environment(db):
+    import sys
+
+    from jobs.models import Environment
+
+    call_command("venv_environment")
+
+    environment = Environment.objects.get(name="hangar-venv")
+    assert environment.kind == "host" and environment.path == sys.prefix and not environment.everywhere

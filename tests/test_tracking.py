@@ -160,3 +160,16 @@ def test_the_reproduce_record_and_card_show_every_ranks_node(job, node, owner):
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     section = page.split('id="job-reproduce"', 1)[1].split("</section>", 1)[0]
     assert "rank 0 node-a GPUs 0,1; rank 1 node-b GPUs 2,3" in section
+
+
+def test_the_metrics_chart_has_a_titled_panel_per_metric_a_legend_and_a_log_toggle():
+    figure = tracking.metrics_figure({"loss": [[0, 2.0, 0], [1, 1.0, 0]], "accuracy": [[0, 0.1, 0], [1, 0.6, 0]]})
+
+    layout = figure["layout"]
+    assert [t["name"] for t in figure["data"]] == ["loss", "accuracy"]
+    assert [t["yaxis"] for t in figure["data"]] == ["y", "y2"]  # a panel each
+    assert layout["yaxis"]["title"]["text"] == "loss" and layout["yaxis2"]["title"]["text"] == "accuracy"
+    assert layout["xaxis2"]["title"]["text"] == "step" and layout["showlegend"] is True
+    buttons = layout["updatemenus"][0]["buttons"]
+    assert [b["label"] for b in buttons] == ["linear", "log"]
+    assert buttons[1]["args"][0] == {"yaxis.type": "log", "yaxis2.type": "log"}

@@ -36,6 +36,7 @@ class Command(BaseCommand):
         check_port_free(host, port)
         call_command("migrate", interactive=False, verbosity=0)
         call_command("example_rates")  # a first start has no rate: cost pages would read 0.00
+        call_command("venv_environment")  # the local agent runs jobs in this virtualenv on request
         login = ensure_admin()
         ensure_default_project()
         started = timezone.now()
@@ -112,7 +113,10 @@ def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = Fa
     if no_scheduler:
         del commands["scheduler"]
     if not no_agent:
-        commands["agent"] = [python, manage, "agent"]
+        # The local agent also runs `environment: hangar-venv` jobs (this virtualenv's python).
+        known = [n for n in os.environ.get("HANGAR_NODE_ENVIRONMENTS", "").split(",") if n.strip()]
+        venv = ["hangar-venv"] if sys.prefix != sys.base_prefix else []
+        commands["agent"] = [python, manage, "agent", "--environments", ",".join(dict.fromkeys(known + venv))]
     for name, argv in commands.items():
         children[name] = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env)
     return children
