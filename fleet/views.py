@@ -81,7 +81,7 @@ def node_detail(request, name: str):
         "windows": list(WINDOWS),
         "figure": charts.node_figure_json(node, since),
         "events": HealthEvent.objects.filter(node=node)[:50],
-        "checks": HealthCheck.objects.filter(node=node).select_related("attempt")[:60],
+        **checks_of(node),
         "history": node.state_history()[:50],
         "fault_kinds": FAULT_KINDS,
         "is_operator": request.user.is_staff,
@@ -91,6 +91,16 @@ def node_detail(request, name: str):
         context.update(extra or {})  # the jobs app adds the attempts of the user's projects that ran here
     context["attempts"] = charts.with_throttle_seconds(node, context["attempts"])
     return render(request, "fleet/node_detail.html", context)
+
+
+def checks_of(node: Node, limit: int = 60) -> dict:
+    """The latest checks, failures first and shown; the routine passes folded away."""
+    checks = list(HealthCheck.objects.filter(node=node).select_related("attempt")[:limit])
+    return {
+        "checks": checks,
+        "failed_checks": [c for c in checks if not c.passed],
+        "passed_checks": [c for c in checks if c.passed],
+    }
 
 
 @require_POST

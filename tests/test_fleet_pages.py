@@ -11,7 +11,7 @@ from django.test import Client
 from django.utils import timezone
 
 from fleet.consumers import FleetConsumer
-from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
+from fleet.models import GPU, FaultInjection, HealthCheck, HealthEvent, Node, NodeState, TelemetrySample
 from jobs.models import AttemptState
 from portal.models import AuditEvent
 from tests.factories import api_client, make_attempt, make_job, make_node, make_user
@@ -219,3 +219,38 @@ def test_long_windows_are_averaged_per_minute_in_the_database(node):
 
     ((at, util, *_),) = series[0]
     assert at == minute and util == pytest.approx(30)
+
+
+def test_the_node_page_shows_idle_gpus_evidence_as_a_table_and_failed_checks_first(owner, node):
+    GPU.objects.filter(node=node, index=0).update(
+        utilization_pct=0, temperature_c=41, power_w=0, sm_clock_mhz=0, sampled_at=timezone.now()
+    )
+    HealthEvent.objects.create(
+        node=node, kind="ecc", severity="critical", message="GPU 0: ECC", action="cordoned",
+        evidence={"gpu": 0, "counters": {"volatile": 2}, "decision": "cordon kind"},
+    )  # fmt: skip
+    HealthCheck.objects.bulk_create(
+        [
+            HealthCheck(node=node, suite="preflight", name="driver", passed=True, duration_ms=1, evidence="ok")
+            for _ in range(40)
+        ]
+        + [HealthCheck(node=node, suite="preflight", name="ecc", passed=False, duration_ms=1, evidence="2 errors")]
+    )
+
+    page = browser(owner).get("/fleet/nodes/node-a/").content.decode()
+
+    row = page.split('<td title="GPU-node-a-0">', 1)[1].split("</tr>", 1)[0]
+    assert "<td>0%</td>" in row and "<td>41°C</td>" in row and "<td>0 W</td>" in row
+    assert '<table class="kv">' in page and "<th>counters.volatile</th><td>2</td>" in page
+    assert "{&#x27;gpu&#x27;" not in page  # no Python dict text
+    failed, passed = page.index('id="checks-failed"'), page.index('id="checks-passed"')
+    assert failed < passed and "40 passed checks</summary>" in page
+
+
+def test_uncordon_is_highlighted_only_on_a_node_that_is_not_ready(operator, node):
+    page = browser(operator).get("/fleet/nodes/node-a/").content.decode()
+    assert 'value="uncordon">Uncordon' in page and 'value="uncordon" class="primary"' not in page
+
+    node.cordon(operator, "fan")
+    page = browser(operator).get("/fleet/nodes/node-a/").content.decode()
+    assert 'value="uncordon" class="primary">Uncordon' in page
