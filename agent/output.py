@@ -168,7 +168,8 @@ class LogWriter(threading.Thread):
         self.rank = rank
         self.node_id = attempt.node_id if node_id is None else node_id
         self.seq = 0  # the last seq this writer stored
-        self.open_streams = 0
+        self.open_streams = 0  # streams expected and not ended yet (below 0: ended before they were expected)
+        self.streams_lock = threading.Lock()
         self.streams_done = threading.Event()
         self.streams_done.set()
         self.severity = {stream: SeverityReader(stream) for stream in (Stream.STDOUT, Stream.STDERR)}
@@ -185,9 +186,27 @@ class LogWriter(threading.Thread):
         # its Redis connection instead of opening one per batch.
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    def read_from(self, pipes: list[tuple], out) -> None:
+        """Read each (pipe, stream) to its end on a thread of its own, into `out` (this writer's
+        queue, or a wrapper of it). The streams are counted before any reader starts: a process
+        that exits at once can end its streams before `expect_streams` would have counted them,
+        and its runner then waited out wait_for_streams (2 s, then SIGKILL and 5 s more)."""
+        self.expect_streams(len(pipes))
+        for pipe, stream in pipes:
+            threading.Thread(target=read_lines, args=(pipe, stream, out), daemon=True).start()
+
     def expect_streams(self, count: int) -> None:
-        self.open_streams = count
-        self.streams_done.clear()
+        """`count` more streams will end on this writer. Ends already parsed count against them
+        (a reader started before this call may have reached its end first)."""
+        self.stream_ended(-count)
+
+    def stream_ended(self, count: int = 1) -> None:
+        with self.streams_lock:
+            self.open_streams -= count
+            if self.open_streams <= 0:
+                self.streams_done.set()
+            else:
+                self.streams_done.clear()
 
     def wait_for_streams(self, timeout: float) -> bool:
         return self.streams_done.wait(timeout)
@@ -275,9 +294,7 @@ class LogWriter(threading.Thread):
         rows = []
         for stream, ts, raw, flag in batch:
             if raw is None:
-                self.open_streams -= 1
-                if self.open_streams <= 0:
-                    self.streams_done.set()
+                self.stream_ended()
             elif isinstance(raw, list):  # a reader's lines of one read
                 rows.extend(self.line(stream, ts, line, cut) for line, cut in raw)
             else:

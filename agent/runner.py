@@ -29,7 +29,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from agent import environments, watch
-from agent.output import LogWriter, read_lines
+from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
 from agent.running import lock as _running_lock
@@ -305,9 +305,7 @@ class Runner:
         )
         self.reaper = start_reaper(proc.pid)
         lines = MaskedLines(self.lines, list(self.job.secret_env.values()))
-        for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
-            threading.Thread(target=read_lines, args=(pipe, stream, lines), daemon=True).start()
-        self.writer.expect_streams(2)
+        self.writer.read_from([(proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)], lines)
         return proc
 
     def watch(self) -> tuple[Outcome, int | None]:

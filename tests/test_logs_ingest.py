@@ -1,8 +1,10 @@
 """Log ingest: parsing tracebacks and faults, numbering with several writers, bulk
 storage, the fence, and the disk spool while the database is unreachable."""
 
+import os
 import queue
 import threading
+import time
 
 import pytest
 from django.db import OperationalError
@@ -320,3 +322,40 @@ def test_a_spool_file_that_cannot_be_read_stays_and_does_not_stop_the_others(att
 
     assert [line.text for line in stored(attempt)] == ["kept"]
     assert unreadable.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_streams_that_end_before_they_are_expected_still_count(attempt):
+    """A process that exits at once: its readers' ends reach the writer before the runner said
+    how many streams to expect (the runner then waited 2 s, SIGKILLed, and waited 5 s more)."""
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    writer.start()
+    q.put((Stream.STDOUT, None, None, False))
+    q.put((Stream.STDERR, None, None, False))
+    deadline = time.monotonic() + 5
+    while writer.open_streams > -2 and time.monotonic() < deadline:  # both ends parsed
+        time.sleep(0.01)
+
+    writer.expect_streams(2)
+
+    assert writer.wait_for_streams(timeout=0.5)
+    writer.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_writer_reading_pipes_that_are_already_closed_sees_their_ends_at_once(attempt):
+    writer = LogWriter(attempt, queue.Queue())
+    writer.start()
+    pipes = []
+    for stream in (Stream.STDOUT, Stream.STDERR):
+        read, write = os.pipe()
+        os.write(write, b"bye\n")
+        os.close(write)
+        pipes.append((os.fdopen(read, "rb"), stream))  # buffered, as subprocess gives them
+
+    writer.read_from(pipes, writer.lines)
+
+    assert writer.wait_for_streams(timeout=2)
+    writer.close()
+    assert [line.text for line in stored(attempt)] == ["bye", "bye"]

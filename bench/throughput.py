@@ -1,0 +1,227 @@
+"""Short jobs back to back: how much of the fleet's time do they keep busy?
+
+Starts a whole Hangar (`manage.py up` without its local agent) in a temporary data
+directory and N agents of G simulated GPUs each, submits J jobs of `sleep D` (1 GPU
+each) at once, waits for all of them, and reads the attempts' own timings:
+
+- makespan, jobs/s, and efficiency = ideal makespan (J x D / GPUs) / measured;
+- the hand-off gap per GPU: from an attempt's end being recorded to the next
+  attempt's process starting on the same GPU (p50/p99/max; only while jobs waited);
+- submit -> process start p50/p99;
+- CPU seconds per job of the scheduler, the agents, the web server and the database.
+
+Then the same with `echo` jobs (duration ~0), reported as jobs/s.
+
+    python bench/throughput.py [--quick] [--agents N] [--gpus G] [--jobs J] [--duration D] [--echo-jobs K]
+
+Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
+Last line: mode=... jobs=... gpus=... makespan_s=... efficiency=... handoff_p50_ms=... echo_jobs_per_s=...
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], pct: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its children that were waited for."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / TICKS  # utime, stime, cutime, cstime
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process on the machine."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out[int(entry.name)] = (ppid, cmdline)
+    return out
+
+
+def roles(stack, services: bool) -> dict[str, list[int]]:
+    """The stack's processes by role: web, scheduler, agents (database: PostgreSQL's backends, by name)."""
+    table = processes()
+    children = defaultdict(list)
+    for pid, (ppid, _) in table.items():
+        children[ppid].append(pid)
+    found = defaultdict(list)
+    for pid in children[stack.proc.pid]:
+        cmd = table[pid][1]
+        found["web" if "portal.webserver" in cmd else "scheduler" if "scheduler" in cmd else "other"].append(pid)
+    found["agents"] = [proc.pid for proc in stack.agents.values()]
+    if services:  # PostgreSQL's backends (any on this machine: run the bench on a quiet one)
+        found["database"] = [pid for pid, (_, cmd) in table.items() if cmd.startswith("postgres:")]
+    return found
+
+
+def cpu_by_role(pids: dict[str, list[int]]) -> dict[str, float]:
+    return {role: sum(cpu_seconds(pid) for pid in group) for role, group in pids.items()}
+
+
+def submit_all(stack, count: int, command: list[str]) -> list[int]:
+    def one(index: int) -> int:
+        return stack.submit(command, name=f"short-{index}", gpus_per_node=1, max_runtime_seconds=600)["id"]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def wait_all(job_ids: list[int], timeout: float) -> None:
+    from jobs.models import FINAL_JOB_STATES, Job
+
+    deadline = time.monotonic() + timeout
+    while Job.objects.filter(pk__in=job_ids).exclude(state__in=FINAL_JOB_STATES).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not every job ended within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def measure(stack, count: int, command: list[str], duration: float, gpus: int) -> dict:
+    from django.conf import settings
+
+    from jobs.models import Attempt, Job
+
+    pids = roles(stack, services=not settings.EMBEDDED_DATABASE)
+    cpu_before = cpu_by_role(pids)
+    started = time.time()
+    job_ids = submit_all(stack, count, command)
+    wait_all(job_ids, timeout=max(120.0, 20 * count * max(duration, 0.05) / gpus))
+    cpu = {role: spent - cpu_before[role] for role, spent in cpu_by_role(pids).items()}
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=job_ids)}
+    attempts = list(Attempt.objects.filter(job_id__in=job_ids).select_related("node"))
+    finished = max(a.finished_at for a in attempts).timestamp()
+    makespan = finished - started
+
+    by_gpu = defaultdict(list)
+    for a in attempts:
+        for rank in a.ranks:
+            for gpu in rank["gpus"]:
+                by_gpu[(rank["node_id"], gpu)].append(a)
+    queued_until = max(a.running_at for a in attempts if a.running_at)  # jobs waited until the last one started
+    gaps = []
+    for runs in by_gpu.values():
+        runs = sorted((a for a in runs if a.running_at and a.finished_at), key=lambda a: a.running_at)
+        for before, after in zip(runs, runs[1:], strict=False):
+            if after.running_at <= queued_until:
+                gaps.append((after.running_at - before.finished_at).total_seconds() * 1000)
+    starts = [
+        (a.running_at - jobs[a.job_id].created_at).total_seconds() * 1000 for a in attempts if a.running_at is not None
+    ]
+    # Where an attempt's time goes, stage by stage (ms): placed after the GPU it took was freed
+    # (or after submit), picked up by its agent, preflight, and from the process's start to its end recorded.
+    freed = {}
+    for runs in by_gpu.values():
+        runs = sorted((a for a in runs if a.running_at and a.finished_at), key=lambda a: a.running_at)
+        for before, after in zip(runs, runs[1:], strict=False):
+            freed[after.pk] = max(freed.get(after.pk, before.finished_at), before.finished_at)
+    stages = defaultdict(list)
+    for a in attempts:
+        if not (a.started_at and a.running_at and a.finished_at):
+            continue
+        ready = max(freed.get(a.pk, jobs[a.job_id].created_at), jobs[a.job_id].created_at)
+        stages["placed"].append((a.scheduled_at - ready).total_seconds() * 1000)
+        stages["taken"].append((a.started_at - a.scheduled_at).total_seconds() * 1000)
+        stages["preflight"].append((a.running_at - a.started_at).total_seconds() * 1000)
+        stages["run+record"].append((a.finished_at - a.running_at).total_seconds() * 1000)
+    return {
+        "makespan_s": makespan,
+        "jobs_per_s": count / makespan,
+        "efficiency": (count * duration / gpus) / makespan if duration else float("nan"),
+        "gaps": gaps,
+        "starts": starts,
+        "attempts": len(attempts),
+        "succeeded": sum(1 for j in jobs.values() if j.state == "succeeded"),
+        "cpu_per_job_ms": {role: spent * 1000 / count for role, spent in cpu.items() if role != "other"},
+        "stages": stages,
+    }
+
+
+def report(label: str, result: dict) -> None:
+    gaps, starts = result["gaps"], result["starts"]
+    print(
+        f"{label}: {result['succeeded']} succeeded in {result['attempts']} attempts, makespan "
+        f"{result['makespan_s']:.1f} s, {result['jobs_per_s']:.1f} jobs/s, efficiency {result['efficiency']:.2f}"
+    )
+    print(
+        f"  hand-off gap ({len(gaps)}): p50 {percentile(gaps, 50):.0f} ms, p99 {percentile(gaps, 99):.0f} ms, "
+        f"max {max(gaps, default=float('nan')):.0f} ms; submit -> start p50 {percentile(starts, 50):.0f} ms, "
+        f"p99 {percentile(starts, 99):.0f} ms"
+    )
+    stages = ", ".join(
+        f"{name} {percentile(values, 50):.0f}/{percentile(values, 99):.0f}" for name, values in result["stages"].items()
+    )
+    print(f"  stages p50/p99 ms: {stages}")
+    cpu = ", ".join(f"{role} {ms:.1f}" for role, ms in result["cpu_per_job_ms"].items())
+    print(f"  CPU ms per job: {cpu}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="200 jobs on 2 agents x 4 GPUs")
+    parser.add_argument("--agents", type=int)
+    parser.add_argument("--gpus", type=int, help="GPUs per agent")
+    parser.add_argument("--jobs", type=int)
+    parser.add_argument("--duration", type=float, default=1.0, help="seconds each job sleeps")
+    parser.add_argument("--echo-jobs", type=int)
+    args = parser.parse_args()
+    agents = args.agents or (2 if args.quick else 4)
+    per_agent = args.gpus or (4 if args.quick else 8)
+    count = args.jobs or (200 if args.quick else 1000)
+    echoes = args.echo_jobs or (60 if args.quick else 200)
+
+    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
+    os.environ["HANGAR_DATA_DIR"] = data_dir
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    from tests.livestack import LiveStack
+
+    mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
+    gpus = agents * per_agent
+    with LiveStack(data_dir=data_dir, local_agent=False) as stack:
+        for index in range(agents):
+            stack.start_agent(f"tp-{index}", gpus=per_agent)
+        measure(stack, min(gpus, 8), ["true"], 0.0, gpus)  # warm up: imports, connections, MLflow's store
+        sleeping = measure(stack, count, ["sleep", f"{args.duration:g}"], args.duration, gpus)
+        report(f"{count} x sleep {args.duration:g} on {agents} x {per_agent} GPUs", sleeping)
+        echo = measure(stack, echoes, ["echo", "hi"], 0.0, gpus)
+        report(f"{echoes} x echo", echo)
+
+    print(
+        f"mode={mode} jobs={count} gpus={gpus} makespan_s={sleeping['makespan_s']:.1f} "
+        f"efficiency={sleeping['efficiency']:.2f} handoff_p50_ms={percentile(sleeping['gaps'], 50):.0f} "
+        f"handoff_p99_ms={percentile(sleeping['gaps'], 99):.0f} start_p50_ms={percentile(sleeping['starts'], 50):.0f} "
+        f"echo_jobs_per_s={echo['jobs_per_s']:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
