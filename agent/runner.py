@@ -28,7 +28,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import environments, watch
+from agent import environments, running, watch
 from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
@@ -84,8 +84,7 @@ def run_attempt(attempt_id: int, rank: int = 0) -> None:
         try:
             runner.run()
         finally:
-            with _running_lock:
-                RUNNING.pop(attempt.pk, None)
+            running.release(attempt.pk)
             watch.forget(attempt.pk)
     finally:
         connection.close()
@@ -159,6 +158,9 @@ class Runner:
         rank = f" rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
         self.system(f"attempt {self.attempt.number}{rank} {where}")
         outcome, exit_code = self.preflight_and_execute()
+        # Its process group is gone: a rank waiting for these GPUs may start now, while this
+        # one writes its outcome (the hand-off from one short job to the next).
+        running.release(self.attempt.pk)
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
         if others_running and not self.record(lambda: self.attempt.rank_succeeded(self.rank)):
             self.system(f"rank {self.rank} done; the attempt ends when every rank has")
@@ -237,11 +239,10 @@ class Runner:
         next_check = 0.0
         while True:
             with _running_lock:
-                holders = sorted(
-                    r.attempt.pk
-                    for r in RUNNING.values()
-                    if r is not self and r.proc is not None and set(r.gpus) & set(self.gpus)
-                )
+                holders = self.gpu_holders()
+                if holders and announced:
+                    running.released.wait(WATCH_SECONDS)  # woken when a runner releases its GPUs
+                    holders = self.gpu_holders()
             if not holders:
                 return True
             if not announced:
@@ -253,7 +254,14 @@ class Runner:
                 self.poll_attempt(renew=False)  # keep_lease renews it
             if self.stop_requested is not None or not self.current:
                 return False
-            time.sleep(WATCH_SECONDS)
+
+    def gpu_holders(self) -> list[int]:
+        """Attempts of this agent whose process still holds one of our GPUs (call under the lock)."""
+        return sorted(
+            r.attempt.pk
+            for r in RUNNING.values()
+            if r is not self and r.proc is not None and set(r.gpus) & set(self.gpus)
+        )
 
     def gpu_list(self) -> str:
         return ",".join(str(i) for i in self.gpus)
