@@ -139,3 +139,23 @@ def test_a_preempted_scavenger_checkpoints_and_resumes_after_the_urgent_job(stac
     resumed = [int(t.split()[-1]) for t in texts if t.startswith("resumed from step")]
     assert len(resumed) == 2 and all(step > 0 for step in resumed)
     assert done["preemptions"] == 1 and done["retries"] == 0
+
+
+def test_sixty_short_jobs_back_to_back_each_run_once_and_never_share_a_gpu(stack):
+    from datetime import datetime
+
+    ids = [stack.submit(["echo", f"short {i}"], name=f"short-{i}", gpus_per_node=1)["id"] for i in range(60)]
+    jobs = [stack.wait_for(job_id, ("succeeded", "failed", "cancelled"), timeout=180) for job_id in ids]
+
+    assert [job["state"] for job in jobs] == ["succeeded"] * 60
+    assert [len(job["attempts"]) for job in jobs] == [1] * 60
+    held: dict[tuple[str, int], list[tuple[datetime, datetime]]] = {}
+    for job in jobs:
+        attempt = job["attempts"][0]
+        span = tuple(datetime.fromisoformat(attempt[k].replace("Z", "+00:00")) for k in ("started_at", "finished_at"))
+        for rank in attempt["placement"]:
+            for gpu in rank["gpus"]:
+                held.setdefault((rank["node"], gpu), []).append(span)
+    for spans in held.values():  # from preflight to the recorded end: one live attempt per GPU at a time
+        spans.sort()
+        assert all(before[1] <= after[0] for before, after in zip(spans, spans[1:], strict=False))
