@@ -178,6 +178,10 @@ class LogWriter(threading.Thread):
         self.retry_at = 0.0
         self.retry_delay = 0.0
         self.refused = False
+        # Cut off from the database (spooling) since when, and lines stored after their attempt
+        # ended: a rank partitioned while its attempt was ended elsewhere (its lease expired).
+        self.cut_off_at = self.back_at = None
+        self.late_lines = 0
         self.batches = 0
         self.stored = 0
         self.parsed: queue.Queue = queue.Queue(maxsize=1)  # parser -> storer; None ends
@@ -256,6 +260,8 @@ class LogWriter(threading.Thread):
                     break
                 self.deliver(rows)
             self.flush_spool(settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS)
+            if self.late_lines and not self.spool:  # every spooled line is stored: say which came late
+                self.note_late_lines()
             log.info("attempt %s rank %s: %d lines, %d batches", self.attempt.pk, self.rank, self.stored, self.batches)
         finally:
             connection.close()
@@ -339,6 +345,7 @@ class LogWriter(threading.Thread):
             self.write(rows)
         except DatabaseError as exc:
             log.warning("attempt %s: %d log lines spooled to disk: %s", self.attempt.pk, len(rows), exc)
+            self.cut_off_at = self.cut_off_at or timezone.now()
             self.spool.append(rows)
             self.backoff()
 
@@ -348,7 +355,7 @@ class LogWriter(threading.Thread):
         while self.spool and not self.refused:
             try:
                 for rows, end in self.spool.chunks():
-                    self.write(rows)
+                    self.write(rows, spooled=True)
                     if self.refused:
                         return
                     self.spool.done(end)
@@ -370,17 +377,47 @@ class LogWriter(threading.Thread):
         self.retry_delay = min(max(self.retry_delay * 2, 0.2), 5.0)
         self.retry_at = time.monotonic() + self.retry_delay
 
-    def write(self, rows: list[NewLine]) -> None:
+    def write(self, rows: list[NewLine], spooled: bool = False) -> None:
+        """Store a batch. A live batch of an attempt that is no longer current is refused (the
+        fence); a spooled one, printed while this rank could not reach the database, is stored
+        into its attempt even though it ended meanwhile (as a dead agent's spools are)."""
         try:
             self.seq = store_lines(self.attempt.pk, rows)
-            self.batches += 1
-            self.stored += len(rows)
         except AttemptNotCurrent:
-            log.warning("attempt %s is no longer current: its log lines are refused", self.attempt.pk)
-            self.refused = True
-            self.spool.discard()
-            return
+            if not spooled or not self.store_late(rows):
+                log.warning("attempt %s is no longer current: its log lines are refused", self.attempt.pk)
+                self.refused = True
+                self.spool.discard()
+                return
+        self.batches += 1
+        self.stored += len(rows)
         self.hint(self.seq)
+
+    def store_late(self, rows: list[NewLine]) -> bool:
+        try:
+            self.seq = store_lines(self.attempt.pk, rows, current_only=False)
+        except AttemptNotCurrent:  # not even an ended attempt: it was deleted
+            return False
+        self.late_lines += len(rows)
+        self.back_at = self.back_at or timezone.now()
+        return True
+
+    def note_late_lines(self) -> None:
+        """A line of the attempt's own saying which lines came late, and why (after the parser ended)."""
+        since = f" from {self.cut_off_at:%H:%M:%S} to {self.back_at:%H:%M:%S} UTC" if self.cut_off_at else ""
+        text = (
+            f"[hangar] rank {self.rank} could not reach the database{since} and its attempt ended meanwhile; "
+            f"the {self.late_lines} lines it printed while cut off are stored late, after the attempt's end"
+        )
+        self.read += 1
+        note = NewLine(
+            self.attempt.job_id, self.attempt.pk, self.node_id, self.rank, Stream.SYSTEM, Severity.WARNING,
+            False, timezone.now(), text, self.read,
+        )  # fmt: skip
+        try:
+            store_lines(self.attempt.pk, [note], current_only=False)
+        except (DatabaseError, AttemptNotCurrent) as exc:
+            log.warning("attempt %s: the late-lines note was not stored: %s", self.attempt.pk, exc)
 
     def hint(self, seq: int) -> None:
         if self.layer is None:

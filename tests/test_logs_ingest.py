@@ -359,3 +359,38 @@ def test_a_writer_reading_pipes_that_are_already_closed_sees_their_ends_at_once(
     assert writer.wait_for_streams(timeout=2)
     writer.close()
     assert [line.text for line in stored(attempt)] == ["bye", "bye"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_spooled_while_cut_off_are_stored_late_into_an_attempt_that_ended_meanwhile(attempt, monkeypatch):
+    """A partition: the rank spools what it prints, its attempt is ended elsewhere (lease), the
+    link comes back. Those lines were refused and discarded; they are what the rank printed."""
+    real = logingest.store_lines
+    down = threading.Event()
+    down.set()
+
+    def partitioned(attempt_id, rows, current_only=True):
+        if down.is_set():
+            raise OperationalError("no route to host")
+        return real(attempt_id, rows, current_only=current_only)
+
+    monkeypatch.setattr(logingest, "store_lines", partitioned)
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    writer.start()
+    for i in range(30):
+        q.put((Stream.STDOUT, timezone.now(), f"step {i}\n".encode(), False))
+    deadline = time.monotonic() + 5
+    while not writer.spool and time.monotonic() < deadline:
+        time.sleep(0.01)
+    Attempt.objects.filter(pk=attempt.pk).update(state="lost")  # the reconciler, on the other side
+
+    down.clear()
+    writer.close()
+
+    lines = stored(attempt)
+    assert [line.text for line in lines[:30]] == [f"step {i}" for i in range(30)]  # each once, in order
+    assert len(lines) == 31 and lines[-1].stream == Stream.SYSTEM and lines[-1].severity == Severity.WARNING
+    assert "could not reach the database from" in lines[-1].text and "the 30 lines it printed" in lines[-1].text
+    assert [line.seq for line in lines] == list(range(1, 32))
+    assert not writer.refused and not writer.spool.path.exists()
