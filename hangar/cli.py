@@ -158,6 +158,11 @@ def job_spec(args) -> dict:
     for volume in args.volume or []:
         name, _, mode = volume.partition(":")
         spec.setdefault("volumes", []).append({"name": name, "mode": mode or "ro"})
+    for after in args.after or []:
+        job, _, condition = after.partition(":")
+        if not job.isdigit() or condition not in ("", "succeeded", "finished"):
+            raise HangarError(f"--after {after!r}: write JOB or JOB:finished, e.g. --after 12:finished", EXIT_USAGE)
+        spec.setdefault("depends_on", []).append({"job": int(job), "on": condition or "succeeded"})
     for key in ("env", "secret_env"):
         if not spec[key]:
             del spec[key]
@@ -453,6 +458,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")
     p.add_argument("-v", "--volume", action="append", metavar="NAME[:rw]")
     p.add_argument("--idempotency-key", help="a retried submit with the same key returns the first job")
+    p.add_argument(
+        "--after",
+        action="append",
+        metavar="JOB[:finished]",
+        help="start only after that job succeeded (or, with :finished, ended in any way); repeatable",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the end; exit with the job's outcome")
     p.add_argument("--follow", action="store_true", help="stream its logs until the end; exit with its outcome")
     p.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")

@@ -1,3 +1,4 @@
+import re
 import shlex
 
 from django import forms
@@ -5,6 +6,7 @@ from django.conf import settings
 
 from fleet.models import Node
 from jobs.models import Environment, priority_classes
+from portal.api.shape import flatten
 from portal.models import Project, Role
 
 
@@ -43,6 +45,12 @@ class JobForm(forms.Form):
         required=False,
         widget=forms.Textarea(attrs={"rows": 3, "placeholder": "KEY=value, one per line", "class": "mono"}),
     )
+    depends_on = forms.CharField(
+        label="After jobs",
+        required=False,
+        widget=forms.TextInput(attrs={"placeholder": "12, 13:finished", "class": "mono"}),
+        help_text="Start only after these jobs succeeded (JOB:finished: ended in any way).",
+    )
     secret_env = forms.CharField(
         label="Secret variables",
         required=False,
@@ -65,6 +73,15 @@ class JobForm(forms.Form):
         except ValueError as exc:
             raise forms.ValidationError(f"cannot split this line ({exc}); check the quotes")
 
+    def clean_depends_on(self) -> list[dict]:
+        deps = []
+        for item in filter(None, (part.strip() for part in self.cleaned_data["depends_on"].split(","))):
+            job, _, condition = item.partition(":")
+            if not job.isdigit() or condition not in ("", "succeeded", "finished"):
+                raise forms.ValidationError(f"{item!r}: write a job id, or JOB:finished, e.g. 12, 13:finished")
+            deps.append({"job": int(job), "on": condition or "succeeded"})
+        return deps
+
     def clean_env(self) -> dict[str, str]:
         return parse_env(self.cleaned_data["env"])
 
@@ -76,11 +93,13 @@ class JobForm(forms.Form):
         return {key: value for key, value in data.items() if value not in ("", None)}
 
     def add_api_errors(self, errors: dict) -> None:
-        for field, messages in errors.items():
-            target = field if field in self.fields else None  # the API's names are the form's
-            for message in messages if isinstance(messages, list) else [messages]:
-                text = str(message) if not isinstance(message, dict) else "; ".join(map(str, message.values()))
-                self.add_error(target, text)
+        """The API's errors on the form's fields (the API's names are the form's); an error of
+        a part of a field (`depends_on[0].job`, `env.A`) goes on that field, naming the part."""
+        for error in flatten(errors):
+            path = error["field"]
+            base = re.split(r"[.\[]", path, maxsplit=1)[0]
+            target = base if base in self.fields else None
+            self.add_error(target, error["message"] if path in (base, "") else f"{path}: {error['message']}")
 
 
 def parse_env(text: str) -> dict[str, str]:

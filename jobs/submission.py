@@ -16,9 +16,10 @@ from django.conf import settings
 from django.db import transaction
 from rest_framework.exceptions import ValidationError
 
+from jobs import dependencies
 from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
-from jobs.models import Environment, Job, JobEvent, priority_class, priority_classes
+from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
 from portal import wakeup
 from portal.models import Project, Role, VolumeMode
 
@@ -38,6 +39,7 @@ def submit_job(user, spec: dict) -> Submitted:
         "environment": environment_named(spec.get("environment") or ""),
         "volumes": granted_volumes(user, project, spec.get("volumes") or []),
         "priority": checked_priority(user, project, spec.get("priority") or ""),
+        "depends_on": checked_dependencies(user, project, spec.get("depends_on") or []),
     }
     check_capacity(spec["gpus_per_node"], spec["nodes"], spec.get("gpu_type", ""))
     check_gpu_limit(project, spec["gpus_per_node"] * spec["nodes"])
@@ -102,6 +104,29 @@ def granted_volumes(user, project: Project, wanted: list[dict]) -> list[dict]:
     return granted
 
 
+def checked_dependencies(user, project: Project, wanted: list[dict]) -> list[dict]:
+    """Each job depended on must be one the user sees in this project, and able to end as asked.
+    (It exists already, so no cycle can form.)"""
+    visible = Job.objects.visible_to(user).select_related("project")
+    found = {j.pk: j for j in visible.filter(pk__in=[d["job"] for d in wanted])}
+    deps: dict[int, dict] = {}
+    for index, dep in enumerate(wanted):
+        field, other = f"depends_on[{index}].job", found.get(dep["job"])
+        if other is None:
+            raise ValidationError({field: f"no job {dep['job']} that you can see; give the id of a job of {project}"})
+        if other.project_id != project.pk:
+            raise ValidationError(
+                {field: f"job {other.pk} is in project {other.project.slug}; depend only on jobs of {project.slug}"}
+            )
+        if dep["on"] == "succeeded" and other.is_final and other.state != JobState.SUCCEEDED:
+            raise ValidationError(
+                {field: f"job {other.pk} {other.state}, so it will never succeed; use on=finished or resubmit it"}
+            )
+        strongest = "succeeded" if "succeeded" in (dep["on"], deps.get(other.pk, {}).get("on")) else "finished"
+        deps[other.pk] = {"job": other.pk, "on": strongest}
+    return list(deps.values())
+
+
 def check_capacity(gpus: int, nodes: int, gpu_type: str) -> None:
     """Refuse what no set of registered nodes could ever run."""
     every = node_sizes()
@@ -132,8 +157,12 @@ def check_gpu_limit(project: Project, total: int) -> None:
 
 def create(user, checked: dict) -> Job:
     command = checked["command"]
+    waits = dependencies.standing(checked["depends_on"]) if checked["depends_on"] else None
     with transaction.atomic():
         job = Job.objects.create(
+            depends_on=checked["depends_on"],
+            state=JobState.BLOCKED if waits and waits.kind != "met" else JobState.QUEUED,
+            state_reason=waits.reason if waits and waits.kind != "met" else "",
             project=checked["project"],
             submitted_by=user,
             name=checked.get("name") or command[0].rsplit("/", 1)[-1],
@@ -155,5 +184,9 @@ def create(user, checked: dict) -> Job:
             data_refs=checked.get("data_refs", []),
         )
         JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
-        wakeup.request_pass()
+        if job.state == JobState.BLOCKED:
+            # A job it depends on may end between the look above and this commit: look again after.
+            transaction.on_commit(lambda: dependencies.settle(job))
+        else:
+            wakeup.request_pass()
     return job

@@ -207,9 +207,7 @@ def metrics_figure(series: dict) -> dict:
         fig.update_yaxes(title_text=key, row=row, col=1)
     fig.update_xaxes(title_text="step", row=rows, col=1)
     axes = [f"yaxis{'' if row == 1 else row}.type" for row in range(1, rows + 1)]
-    scale = [
-        {"label": kind, "method": "relayout", "args": [dict.fromkeys(axes, kind)]} for kind in ("linear", "log")
-    ]
+    scale = [{"label": kind, "method": "relayout", "args": [dict.fromkeys(axes, kind)]} for kind in ("linear", "log")]
     fig.update_layout(
         margin={"l": 60, "r": 10, "t": 30, "b": 40},
         height=max(320, 220 * rows),

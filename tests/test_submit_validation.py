@@ -256,3 +256,18 @@ def test_cancelling_a_job_that_ended_is_a_conflict_that_says_how_it_ended(owner,
     assert response.json()["message"] == f"job {job.pk} already ended (succeeded, exit 0); there is nothing to cancel"
     job.refresh_from_db()
     assert job.state == JobState.SUCCEEDED
+
+
+def test_the_form_submits_a_job_that_waits_for_others_and_names_a_bad_one(browser, owner, project):
+    first = Job.objects.create(
+        project=project, submitted_by=owner, name="prep", command=["true"], max_runtime_seconds=60
+    )
+
+    response = browser.post("/jobs/new/", form_data(depends_on=f"{first.pk}"))
+    job = Job.objects.exclude(pk=first.pk).get()
+    assert response.status_code == 302 and job.state == JobState.BLOCKED
+    assert job.depends_on == [{"job": first.pk, "on": "succeeded"}]
+
+    response = browser.post("/jobs/new/", form_data(depends_on="999999:finished"))
+    assert response.status_code == 200
+    assert "depends_on[0].job: no job 999999 that you can see" in response.content.decode()

@@ -89,6 +89,15 @@ class VolumeRequestSerializer(serializers.Serializer):
     )
 
 
+class DependencySerializer(serializers.Serializer):
+    job = serializers.IntegerField(min_value=1, error_messages={"invalid": "must be a job id, e.g. 12"})
+    on = serializers.ChoiceField(
+        choices=["succeeded", "finished"],
+        default="succeeded",
+        error_messages={"invalid_choice": "{input} is not a condition; use succeeded or finished (any end)"},
+    )
+
+
 class JobSubmitSerializer(serializers.Serializer):
     default_error_messages = {
         "invalid": 'the body must be a JSON object of job fields, e.g. {{"project": "vision", "command": ["python", '
@@ -113,6 +122,12 @@ class JobSubmitSerializer(serializers.Serializer):
         help_text="Variables given to the job but never shown back (masked in pages, API and audit).",
     )
     volumes = VolumeRequestSerializer(many=True, required=False)
+    depends_on = DependencySerializer(
+        many=True,
+        required=False,
+        help_text='Jobs of the same project to wait for: [{"job": 12, "on": "succeeded" | "finished"}]; '
+        "the job is blocked until then.",
+    )
     idempotency_key = Text(
         max_length=200,
         required=False,
@@ -245,6 +260,7 @@ class JobSerializer(serializers.ModelSerializer):
             "preemptions",
             "state",
             "state_reason",
+            "depends_on",
             "exit_code",
             "failure_class",
             "requeues",
@@ -286,6 +302,7 @@ class JobSerializer(serializers.ModelSerializer):
             "preemptions": job.preemptions,
             "state": job.state,
             "state_reason": job.state_reason,
+            "depends_on": job.depends_on,
             "exit_code": job.exit_code,
             "failure_class": job.failure_class,
             "requeues": job.requeues,

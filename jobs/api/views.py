@@ -189,6 +189,13 @@ def queue_state(user, project: str = "") -> dict:
         for r in rows
         if r["job_id"] in by_id
     ]  # fmt: skip
+    # Blocked jobs wait for other jobs, not for GPUs: no position in the queue until they are queued.
+    blocked = visible.filter(state=JobState.BLOCKED).select_related("project", "submitted_by", "environment")
+    waiting += [
+        {**queue_job(job), "position": None, "reason": {"code": "blocked", "message": job.state_reason},
+         "estimated_start": None, "can_move": False}
+        for job in blocked.order_by("created_at", "pk")[:BLOCKED_SHOWN]
+    ]  # fmt: skip
     live = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES, job__in=visible).select_related(
         "job__project", "job__submitted_by", "job__environment"
     )
@@ -199,6 +206,9 @@ def queue_state(user, project: str = "") -> dict:
         for a in live.order_by("scheduled_at")
     ]  # fmt: skip
     return {"waiting": waiting, "running": running}
+
+
+BLOCKED_SHOWN = 500
 
 
 def queue_job(job: Job) -> dict:

@@ -25,6 +25,7 @@ from jobs.models.states import (
 )
 from jobs.priority import Priority, PriorityClass, priority_class
 from jobs.secret_env import SecretEnvField
+from jobs.signals import job_ended
 from portal import wakeup
 from portal.models import AuditEvent, Project
 
@@ -63,6 +64,11 @@ class Job(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     failure_class = models.CharField(max_length=16, choices=FailureClass.choices, blank=True)
     state_reason = models.TextField(blank=True)
+    depends_on = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='[{"job": id, "on": "succeeded" | "finished"}]: it stays blocked until then.',
+    )
     requeues = models.PositiveIntegerField(default=0, help_text="Times requeued after an infrastructure failure.")
     idempotency_key = models.CharField(max_length=200, blank=True, help_text="A retried submit returns this job.")
     secret_env = SecretEnvField(
@@ -124,7 +130,7 @@ class Job(models.Model):
         is asked to stop and its agent ends it (SIGTERM, grace, SIGKILL)."""
         reason = reason or f"cancelled by {by}"
         with transaction.atomic():
-            if Job.objects.filter(pk=self.pk, state=JobState.QUEUED).update(
+            if Job.objects.filter(pk=self.pk, state__in=[JobState.QUEUED, JobState.BLOCKED]).update(
                 state=JobState.CANCELLED,
                 finished_at=timezone.now(),
                 failure_class=FailureClass.CANCELLED,
@@ -136,6 +142,7 @@ class Job(models.Model):
             if done:
                 AuditEvent.record(by, "job.cancel", self, reason=reason)
                 JobEvent.objects.create(job=self, kind="cancel", message=reason)
+                job_ended.send(sender=Job, job=self)  # a queued job ends here, with no attempt
                 wakeup.request_pass()  # a waiting job may have held back smaller ones
         self.refresh_from_db()
         return done

@@ -4,6 +4,7 @@ from django.db import models
 
 
 class JobState(models.TextChoices):
+    BLOCKED = "blocked", "Blocked"  # waiting for the jobs it depends on (jobs/dependencies.py)
     QUEUED = "queued", "Queued"
     SCHEDULED = "scheduled", "Scheduled"
     PREFLIGHT = "preflight", "Preflight"
@@ -33,6 +34,7 @@ class AttemptState(models.TextChoices):
 
 
 STATE_COLOURS = {
+    "blocked": "grey",
     "queued": "grey",
     "scheduled": "blue",
     "preflight": "blue",
