@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 
+import re2
 from django.conf import settings
 from django.db import OperationalError, connection, connections, transaction
 from django.db.models import BooleanField, Func, Q, QuerySet, Value
@@ -21,8 +22,8 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from jobs.models import Attempt, LogLine, Severity
+from portal.patterns import PatternError, compile_user_pattern
 
-MAX_PATTERN = 500
 MAX_SPANS = 50
 SEVERITY_NAMES = {s.label: s.value for s in Severity} | {"WARN": Severity.WARNING, "FATAL": Severity.CRITICAL}
 FILTER_PARAMS = ("attempt", "node", "rank", "severity", "since", "until", "last_minutes", "q", "regex")
@@ -63,13 +64,10 @@ class LogFilter:
                 raise LogFilterError("last_minutes", "must be a positive number of minutes, e.g. 15")
             since = max(since or datetime.min.replace(tzinfo=UTC), timezone.now() - timedelta(minutes=number))
         text, regex = get("q"), get("regex").lower() in ("1", "true", "yes", "on")
-        if len(text) > MAX_PATTERN:
-            raise LogFilterError("q", f"is {len(text)} characters long; use at most {MAX_PATTERN}")
-        if regex:
-            try:
-                re.compile(text)
-            except re.error as exc:
-                raise LogFilterError("q", f"is not a valid regular expression ({exc}); or search plain text: regex=0")
+        try:
+            compile_user_pattern(text, "q", regex)
+        except PatternError as exc:
+            raise LogFilterError(exc.field, exc.message)
         return cls(
             attempt=_number(get("attempt"), "attempt", int) if get("attempt") else None,
             nodes=tuple(name for name in get("node").split(",") if name.strip()),
@@ -111,17 +109,19 @@ class LogFilter:
             else:
                 lines = lines.filter(text_lower__contains=self.text.lower())
         elif self.text:
-            # SQLite: Python's re, so case folding is Unicode's (SQLite's LIKE folds ASCII only).
-            lines = lines.filter(text__iregex=self.text if self.regex else re.escape(self.text))
+            # SQLite: REGEXP runs on RE2 (portal.patterns), whose case folding is Unicode's
+            # (SQLite's LIKE folds ASCII only).
+            lines = lines.filter(text__iregex=self.text if self.regex else re2.escape(self.text))
         return lines
 
     def lines_after(self, job_id: int, cursor: tuple[int, int]) -> QuerySet:
         return self.apply(LogLine.after(job_id, *cursor))
 
-    def pattern(self) -> re.Pattern | None:
+    def pattern(self):
+        """The text filter compiled by RE2 (linear time), for highlighting; None without one."""
         if not self.text:
             return None
-        return re.compile(self.text if self.regex else re.escape(self.text), re.IGNORECASE)
+        return compile_user_pattern(self.text, "q", self.regex)
 
     def as_dict(self) -> dict:
         """The filter as the client should show it back (times in ISO 8601)."""
@@ -178,7 +178,7 @@ def like_prefilter(pattern: str) -> str:
     return "%" + "".join(escaped) + "%"
 
 
-def highlights(pattern: re.Pattern | None, text: str) -> list[list[int]]:
+def highlights(pattern, text: str) -> list[list[int]]:
     """[start, end] of each match of the text filter in a line, for highlighting."""
     if pattern is None:
         return []
