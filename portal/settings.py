@@ -200,7 +200,8 @@ REST_FRAMEWORK = {
         "portal.auth.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated", "portal.auth.TokenScope"],
+    # The one rule for every view (signed in, read-only tokens, operator actions): portal/permissions.py.
+    "DEFAULT_PERMISSION_CLASSES": ["portal.permissions.ApiAccess"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",

@@ -1,4 +1,4 @@
-from rest_framework import permissions, serializers, viewsets
+from rest_framework import serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -60,18 +60,13 @@ class FaultSerializer(serializers.Serializer):
     seconds = serializers.FloatField(required=False, default=30.0, min_value=0.1)
 
 
-class IsOperator(permissions.BasePermission):
-    message = "only fleet operators (staff users) may change a node"
-
-    def has_permission(self, request, view):
-        return bool(request.user and request.user.is_staff)
-
-
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     """Nodes are shared by all projects: any signed-in user may read the fleet; operators (staff) change it."""
 
     serializer_class = NodeSerializer
     lookup_field = "name"
+    # Staff only, never with a read-only or project-limited token (portal.permissions.ApiAccess).
+    operator_actions = ("cordon", "drain", "uncordon", "fault")
 
     def get_queryset(self):
         nodes = Node.objects.prefetch_related("gpus")
@@ -80,11 +75,6 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         if gpu_model := self.request.query_params.get("gpu_model"):
             nodes = nodes.filter(gpu_model=gpu_model)
         return nodes
-
-    def get_permissions(self):
-        if self.action in ("cordon", "drain", "uncordon", "fault"):
-            return [permissions.IsAuthenticated(), IsOperator()]
-        return super().get_permissions()
 
     def _change(self, request, verb: str):
         node = self.get_object()
