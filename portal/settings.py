@@ -101,6 +101,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "portal.bodylimits.BodyLimitMiddleware",
     "portal.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -241,6 +242,13 @@ HANGAR_WEB_WORKERS = env_int("HANGAR_WEB_WORKERS", 1, minimum=1)
 # Threads per web process that run HTTP requests (portal.sync_http); requests beyond
 # them wait their turn. At most the database pool's size: more would wait for a connection.
 HANGAR_WEB_THREADS = env_int("HANGAR_WEB_THREADS", 8, minimum=1)
+
+# Request bodies (portal/bodylimits.py): larger ones are answered 413 before they are read.
+# Requests without credentials (no token, no session cookie) get the smaller limit.
+HANGAR_MAX_BODY_BYTES = env_int("HANGAR_MAX_BODY_BYTES", 2 * 1024 * 1024, minimum=1024)
+HANGAR_MAX_ANONYMOUS_BODY_BYTES = env_int("HANGAR_MAX_ANONYMOUS_BODY_BYTES", 64 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_MAX_BODY_BYTES
+DATA_UPLOAD_MAX_NUMBER_FIELDS = 1000
 
 # --- Production (HTTPS) ------------------------------------------------------
 # Behind HTTPS set HANGAR_HTTPS=1: secure cookies, HSTS and a redirect to https,
