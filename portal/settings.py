@@ -101,7 +101,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "portal.requestid.RequestIdMiddleware",
     "portal.bodylimits.BodyLimitMiddleware",
+    "portal.inputs.InputMiddleware",
     "portal.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -204,9 +206,11 @@ REST_FRAMEWORK = {
     # The one rule for every view (signed in, read-only tokens, operator actions): portal/permissions.py.
     "DEFAULT_PERMISSION_CLASSES": ["portal.permissions.ApiAccess"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # DRF's JSON parser that refuses NUL, lone surrogates, non-finite or 64-bit-overflowing
+    # numbers and deep nesting with a 400 naming the field (portal/inputs.py).
+    "DEFAULT_PARSER_CLASSES": ["portal.inputs.JSONParser"],
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "portal.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
