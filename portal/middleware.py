@@ -8,8 +8,8 @@ from django.http import HttpResponse, JsonResponse
 log = logging.getLogger("hangar.web")
 
 # Paths that answer anonymous requests themselves: the API (401 in JSON), the
-# login page, and static files.
-PUBLIC_PREFIXES = ("/api/", "/login/", "/static/", "/admin/")
+# login and password reset pages, and static files.
+PUBLIC_PREFIXES = ("/api/", "/login/", "/password-reset/", "/static/", "/admin/")
 
 
 class LoginRequiredMiddleware:

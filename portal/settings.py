@@ -8,6 +8,7 @@ REDIS_URL switches to services mode (PostgreSQL, Redis) with the same code.
 import base64
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -95,6 +96,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "axes",
+    "csp",
     "portal",
     "fleet",
     "jobs",
@@ -113,6 +116,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "portal.middleware.LoginRequiredMiddleware",
+    # Last, as django-axes asks: it answers a locked-out login attempt (portal/login.py).
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -182,8 +187,42 @@ EMBEDDED_DATABASE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": env_int("HANGAR_PASSWORD_MIN_LENGTH", 10, minimum=8)},
+    },
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+
+# --- Login throttling (django-axes; portal/login.py) ----------------------------
+# After HANGAR_LOGIN_FAILURE_LIMIT wrong passwords for one username from one address,
+# that pair is locked out for HANGAR_LOGIN_LOCKOUT_MINUTES (429), even with the right
+# password; a successful login resets the count. Every failure is in the audit trail.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("HANGAR_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("HANGAR_LOGIN_LOCKOUT_MINUTES", 15.0, minimum=0.1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_HTTP_RESPONSE_CODE = 429
+AXES_LOCKOUT_CALLABLE = "portal.login.locked_out"
+AXES_VERBOSE = False
+
+# --- Mail (password reset) -------------------------------------------------------
+# Embedded default: mails are printed on the web process's console. Set HANGAR_EMAIL_HOST
+# (and its port, user, password, TLS) to send them through an SMTP server.
+EMAIL_HOST = env_str("HANGAR_EMAIL_HOST")
+EMAIL_BACKEND = env_str(
+    "HANGAR_EMAIL_BACKEND",
+    "django.core.mail.backends.smtp.EmailBackend" if EMAIL_HOST else "django.core.mail.backends.console.EmailBackend",
+)
+EMAIL_PORT = env_int("HANGAR_EMAIL_PORT", 587, minimum=1)
+EMAIL_HOST_USER = env_str("HANGAR_EMAIL_USER")
+EMAIL_HOST_PASSWORD = env_str("HANGAR_EMAIL_PASSWORD")
+EMAIL_USE_TLS = env_bool("HANGAR_EMAIL_USE_TLS", True)
+DEFAULT_FROM_EMAIL = env_str("HANGAR_EMAIL_FROM", "hangar@localhost")
+PASSWORD_RESET_TIMEOUT = env_int("HANGAR_PASSWORD_RESET_SECONDS", 3600, minimum=60)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -4,6 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from portal import views
+from portal.login import password_reset_urls
 
 api_v1 = [
     path("", include("jobs.api.urls")),
@@ -19,6 +20,7 @@ urlpatterns = [
     path("dashboard/panels/", views.dashboard_panels, name="dashboard-panels"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    *password_reset_urls,
     path("jobs/", include("jobs.urls")),
     path("tokens/", views.tokens, name="tokens"),
     path("tokens/<int:pk>/revoke/", views.revoke_token, name="token-revoke"),
