@@ -285,6 +285,13 @@ HANGAR_WEB_WORKERS = env_int("HANGAR_WEB_WORKERS", 1, minimum=1)
 # Threads per web process that run HTTP requests (portal.sync_http); requests beyond
 # them wait their turn. At most the database pool's size: more would wait for a connection.
 HANGAR_WEB_THREADS = env_int("HANGAR_WEB_THREADS", 8, minimum=1)
+# Requests that wait or stream (portal/capacity.py), per user and per web process; over
+# a bound: 429 with Retry-After (a websocket closes with 4429). Long polls per process:
+# 0 means half of HANGAR_WEB_THREADS, so short requests always have threads left.
+HANGAR_LONG_POLLS_PER_USER = env_int("HANGAR_LONG_POLLS_PER_USER", 2, minimum=1)
+HANGAR_LONG_POLLS_PER_PROCESS = env_int("HANGAR_LONG_POLLS_PER_PROCESS", 0, minimum=0)
+HANGAR_STREAMS_PER_USER = env_int("HANGAR_STREAMS_PER_USER", 8, minimum=1)
+HANGAR_STREAMS_PER_PROCESS = env_int("HANGAR_STREAMS_PER_PROCESS", 200, minimum=1)
 
 # Request bodies (portal/bodylimits.py): larger ones are answered 413 before they are read.
 # Requests without credentials (no token, no session cookie) get the smaller limit.

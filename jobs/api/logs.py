@@ -9,6 +9,7 @@ last_minutes, q, regex.
 
 import json
 import time
+from contextlib import ExitStack
 
 from asgiref.sync import sync_to_async
 from django.core.handlers.asgi import ASGIRequest
@@ -24,6 +25,7 @@ from jobs.api.views import int_param
 from jobs.logquery import LogFilter, LogFilterError, read_page
 from jobs.messages import wire_lines
 from jobs.models import FINAL_JOB_STATES, Job
+from portal.capacity import slots
 
 LOG_PAGE_MAX = 5000
 FOLLOW_WAIT_MAX = 25.0
@@ -71,16 +73,21 @@ class JobLogsView(APIView):
         follow = request.query_params.get("follow", "").lower() in ("1", "true", "yes")
         wait = min(float(int_param(request, "wait", 20)), FOLLOW_WAIT_MAX) if follow else 0.0
         deadline = time.monotonic() + wait
-        while True:
-            # The state is read before the lines: a final state seen here means every line is stored.
-            state = Job.objects.filter(pk=job.pk).values_list("state", flat=True).get()
-            lines, after, more = read_page(job.pk, log_filter, cursor, limit)
-            final = state in FINAL_JOB_STATES and not more
-            if lines or final or time.monotonic() >= deadline:
-                break
-            cursor = after
-            if not more:  # more with no lines: a walk through non-matching lines goes on at once
-                time.sleep(FOLLOW_POLL_SECONDS)
+        with ExitStack() as waiting:
+            holding = False
+            while True:
+                # The state is read before the lines: a final state seen here means every line is stored.
+                state = Job.objects.filter(pk=job.pk).values_list("state", flat=True).get()
+                lines, after, more = read_page(job.pk, log_filter, cursor, limit)
+                final = state in FINAL_JOB_STATES and not more
+                if lines or final or time.monotonic() >= deadline:
+                    break
+                cursor = after
+                if not holding:
+                    # Waiting holds a request thread: only within the user's and the process's bounds.
+                    holding = waiting.enter_context(slots.held("long_poll", request.user.pk)) or True
+                if not more:  # more with no lines: a walk through non-matching lines goes on at once
+                    time.sleep(FOLLOW_POLL_SECONDS)
         return Response(
             {
                 "lines": wire_lines(lines, log_filter.pattern()),
@@ -108,6 +115,7 @@ class JobLogDownloadView(APIView):
         chunks = DownloadChunks(job.pk, log_filter, kind)
         # Under ASGI a synchronous iterator would be read whole before sending: stream asynchronously there.
         content = chunks.async_iter() if isinstance(request._request, ASGIRequest) else iter(chunks)
+        content = slots.hold_while("stream", request.user.pk, content)  # 429 past the bounds (portal.capacity)
         response = StreamingHttpResponse(
             content, content_type="application/x-ndjson" if kind == "jsonl" else "text/plain; charset=utf-8"
         )
