@@ -9,7 +9,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from fleet import charts
+from fleet import charts, evidence
 from fleet.gpus import FAULT_KINDS
 from fleet.messages import node_wire
 from fleet.models import HealthCheck, HealthEvent, Node, NodeState
@@ -81,10 +81,12 @@ def node_detail(request, name: str):
         "window": window_name,
         "windows": list(WINDOWS),
         "figure": charts.node_figure_json(node, since),
-        "events": HealthEvent.objects.filter(node=node)[:50],
-        "checks": HealthCheck.objects.filter(node=node).select_related("attempt")[:60],
+        # Another project's output and job ids are replaced for all but its members and staff.
+        "events": evidence.redact(HealthEvent.objects.filter(node=node)[:50], request.user),
+        "checks": evidence.redact(HealthCheck.objects.filter(node=node).select_related("attempt")[:60], request.user),
+        "other_project": evidence.OTHER_PROJECT,
         "attempts": charts.with_throttle_seconds(node, attempts_on(node, request.user)),
-        "history": node.state_history()[:50],
+        "history": evidence.redact_history(node.state_history()[:50], request.user),
         "fault_kinds": FAULT_KINDS,
         "is_operator": request.user.is_staff,
     }

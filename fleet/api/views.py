@@ -3,6 +3,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
+from fleet import evidence
 from fleet.gpus import FAULT_KINDS
 from fleet.models import GPU, HealthCheck, HealthEvent, Node
 from fleet.operator import OperatorError, change_state, inject_fault
@@ -34,16 +35,25 @@ class NodeSerializer(serializers.ModelSerializer):
         ]
 
 
+OTHER_PROJECT_HELP = "true: the attempt and the job's output are hidden, they belong to a job of another project"
+
+
 class HealthEventSerializer(serializers.ModelSerializer):
+    other_project = serializers.BooleanField(read_only=True, default=False, help_text=OTHER_PROJECT_HELP)
+
     class Meta:
         model = HealthEvent
-        fields = ["at", "kind", "severity", "gpu_index", "xid", "attempt", "message", "evidence", "action"]
+        fields = [
+            "at", "kind", "severity", "gpu_index", "xid", "attempt", "other_project", "message", "evidence", "action",
+        ]  # fmt: skip
 
 
 class HealthCheckSerializer(serializers.ModelSerializer):
+    other_project = serializers.BooleanField(read_only=True, default=False, help_text=OTHER_PROJECT_HELP)
+
     class Meta:
         model = HealthCheck
-        fields = ["at", "suite", "name", "passed", "duration_ms", "evidence", "attempt"]
+        fields = ["at", "suite", "name", "passed", "duration_ms", "evidence", "attempt", "other_project"]
 
 
 class StateChangeSerializer(serializers.Serializer):
@@ -118,11 +128,11 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     @action(detail=True, methods=["get"])
     def events(self, request, name=None):
         events = HealthEvent.objects.filter(node=self.get_object())
-        page = self.paginate_queryset(events)
+        page = evidence.redact(self.paginate_queryset(events), request.user)
         return self.get_paginated_response(HealthEventSerializer(page, many=True).data)
 
     @action(detail=True, methods=["get"])
     def checks(self, request, name=None):
         checks = HealthCheck.objects.filter(node=self.get_object())
-        page = self.paginate_queryset(checks)
+        page = evidence.redact(self.paginate_queryset(checks), request.user, evidence_is_dict=False)
         return self.get_paginated_response(HealthCheckSerializer(page, many=True).data)
