@@ -94,4 +94,5 @@ class WebsocketTokenMiddleware(BaseMiddleware):
             token = await database_sync_to_async(ApiToken.authenticate)(raw)
             if token is not None:
                 scope["user"] = token.user
+                scope["token_id"] = token.pk  # re-checked while the socket is open (portal.wsauth)
         return await super().__call__(scope, receive, send)

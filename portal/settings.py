@@ -333,6 +333,9 @@ else:
     # No layer: agents run in other processes, so websocket consumers poll the
     # stored lines instead (they always read from the database anyway).
     CHANNEL_LAYERS = {}
+# How often an open websocket re-checks its token or session (portal/wsauth.py): a revoked
+# token, ended session or deactivated user is closed (4401) within this many seconds.
+HANGAR_WS_RECHECK_SECONDS = env_float("HANGAR_WS_RECHECK_SECONDS", 3.0, minimum=0.05)
 # How often a log websocket re-reads the database when no push hint arrives.
 HANGAR_LOG_POLL_SECONDS = env_float("HANGAR_LOG_POLL_SECONDS", 2.0 if REDIS_URL else 0.1, minimum=0.01)
 
