@@ -105,6 +105,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "portal.requestid.RequestIdMiddleware",
+    "csp.middleware.CSPMiddleware",
     "portal.bodylimits.BodyLimitMiddleware",
     "portal.inputs.InputMiddleware",
     "portal.middleware.DatabaseUnavailableMiddleware",
@@ -311,6 +312,30 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = HANGAR_HTTPS
 SECURE_HSTS_PRELOAD = env_bool("HANGAR_HSTS_PRELOAD", HANGAR_HTTPS)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
+
+# Content-Security-Policy (django-csp): scripts only from this server's own files, no inline
+# script (pages keep their data in <script type="application/json"> blocks and their code
+# in static/js), websockets and fetches to this origin only. Inline styles stay allowed:
+# Plotly and htmx set them. HANGAR_CSP_REPORT_ONLY=1 reports instead of enforcing.
+_CSP = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:", "blob:"],
+        "font-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "worker-src": ["'self'", "blob:"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
+if env_bool("HANGAR_CSP_REPORT_ONLY", False):
+    CONTENT_SECURITY_POLICY_REPORT_ONLY = _CSP
+else:
+    CONTENT_SECURITY_POLICY = _CSP
 if env_bool("HANGAR_BEHIND_PROXY", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SILENCED_SYSTEM_CHECKS = env_list("HANGAR_SILENCED_SYSTEM_CHECKS", [])

@@ -50,5 +50,8 @@ window.hangarFleet = (function () {
     };
     ws.onclose = () => { status.textContent = "live updates lost; reconnecting…"; setTimeout(() => follow(page), 2000); };
   }
+  // The page passes its number on the script's own tag (no inline script: the CSP forbids it).
+  const me = document.currentScript;
+  if (me && me.dataset.followPage) follow(Number(me.dataset.followPage));
   return { follow, patch };
 })();
