@@ -274,6 +274,8 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "SCHEMA_PATH_PREFIX": "/api/v1",
     "ENUM_NAME_OVERRIDES": {"RoleEnum": "portal.models.Role.choices"},
+    # Every operation declares the error statuses it may answer (schemathesis checks them all).
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "portal.api.schema.declare_errors"],
 }
 
 # How long a web process remembers an API token it has checked (one query less per request):

@@ -22,10 +22,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs.api.views import int_param
-from jobs.logquery import LogFilter, LogFilterError, read_page
+from jobs.logquery import MAX_MINUTES, SEVERITY_NAMES, LogFilter, LogFilterError, read_page
 from jobs.messages import wire_lines
 from jobs.models import FINAL_JOB_STATES, Job
+from portal.api.schema import or_empty
 from portal.capacity import slots
+from portal.patterns import MAX_PATTERN_CHARS
 
 LOG_PAGE_MAX = 5000
 FOLLOW_WAIT_MAX = 25.0
@@ -44,11 +46,16 @@ def parse_filter(request) -> LogFilter:
         raise serializers.ValidationError({exc.field: exc.message})
 
 
+WHOLE = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+SEVERITIES = {"type": "string", "enum": sorted(SEVERITY_NAMES)}
+MINUTES = {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": MAX_MINUTES}
+TIME = or_empty({"type": "string", "format": "date-time"})
 FILTER_PARAMETERS = [
     OpenApiParameter(name, kind)
     for name, kind in (
-        ("attempt", int), ("node", str), ("rank", int), ("severity", str), ("since", str), ("until", str),
-        ("last_minutes", int), ("q", str), ("regex", bool),
+        ("attempt", WHOLE), ("node", str), ("rank", WHOLE), ("severity", SEVERITIES),
+        ("since", TIME), ("until", TIME), ("last_minutes", MINUTES),
+        ("q", {"type": "string", "maxLength": MAX_PATTERN_CHARS}), ("regex", bool),
     )
 ]  # fmt: skip
 
@@ -60,7 +67,7 @@ class JobLogsView(APIView):
     @extend_schema(
         parameters=[
             *FILTER_PARAMETERS,
-            *(OpenApiParameter(n, int) for n in ("after_attempt", "after_seq", "limit", "wait")),
+            *(OpenApiParameter(n, WHOLE) for n in ("after_attempt", "after_seq", "limit", "wait")),
             OpenApiParameter("follow", bool),
         ],
         responses=OpenApiTypes.OBJECT,

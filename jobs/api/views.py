@@ -40,7 +40,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("state", enum=JobState.values),
+            OpenApiParameter("state", enum=["", *JobState.values]),
             OpenApiParameter("project", str),
             OpenApiParameter("submitted_by", str, description="a username, or `me`"),
             OpenApiParameter("name", str, description="part of the job's name"),

@@ -30,9 +30,7 @@ class Pagination(LimitOffsetPagination):
     def get_schema_operation_parameters(self, view):
         parameters = super().get_schema_operation_parameters(view)
         for parameter in parameters:
-            bounds = {"minimum": 1, "maximum": 2**63 - 1} if parameter["name"] == self.limit_query_param else {}
-            bounds = bounds or {"minimum": 0, "maximum": MAX_OFFSET}
-            parameter["schema"].update(bounds)
+            parameter["schema"] = LIMIT_SCHEMA if parameter["name"] == self.limit_query_param else OFFSET_SCHEMA
         return parameters
 
 
@@ -41,3 +39,7 @@ def checked(raw: str, field: str, maximum: int) -> int:
         return whole_number(raw, field, maximum)
     except InputError as exc:
         raise serializers.ValidationError({exc.field: exc.message})
+
+
+LIMIT_SCHEMA = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
+OFFSET_SCHEMA = {"type": "integer", "minimum": 0, "maximum": MAX_OFFSET}
