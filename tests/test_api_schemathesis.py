@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 from schemathesis.config._checks import POSITIVE_DATA_ACCEPTANCE_EXPECTED_STATUSES as ACCEPTED
 
+from fleet import models as fleet
 from portal.models import Role, Volume
-from tests.conftest import make_job, make_node, make_project, make_user, token_client
+from tests.conftest import make_attempt, make_job, make_node, make_project, make_user, token_client
 
 # A change is checked against stored state the schema cannot describe (the project a job or
 # token names must be one of yours, a node must be ready to cordon, a job queued to move):
@@ -45,8 +46,13 @@ def keep_the_test_connection():
 def auth(db):
     user = make_user("fuzzer")
     project = make_project("lab", **{Role.ADMIN: user})
-    make_node()
-    make_job(project, user)
+    node = make_node()
+    job = make_job(project, user)
+    attempt = make_attempt(job, node, "failed")
+    # Rows for every list: responses are checked against their schemas (a health event and
+    # check of the job, so their nullable and hidden fields are exercised too).
+    fleet.HealthEvent.objects.create(node=node, attempt=attempt, kind="xid", severity="critical", message="Xid 79")
+    fleet.HealthCheck.objects.create(node=node, attempt=attempt, name="devices", passed=True, duration_ms=1.0)
     Volume.objects.create(project=project, name="data", path="/data")
     client = token_client(user)
     return client._credentials["HTTP_AUTHORIZATION"]

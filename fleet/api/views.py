@@ -1,3 +1,4 @@
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -125,12 +126,14 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             raise ValidationError({exc.field: [str(exc)]})
         return Response({"id": fault.pk, "kind": fault.kind, "gpu": fault.gpu_index, "xid": fault.xid}, status=201)
 
+    @extend_schema(responses=HealthEventSerializer(many=True))
     @action(detail=True, methods=["get"])
     def events(self, request, name=None):
         events = HealthEvent.objects.filter(node=self.get_object())
         page = evidence.redact(self.paginate_queryset(events), request.user)
         return self.get_paginated_response(HealthEventSerializer(page, many=True).data)
 
+    @extend_schema(responses=HealthCheckSerializer(many=True))
     @action(detail=True, methods=["get"])
     def checks(self, request, name=None):
         checks = HealthCheck.objects.filter(node=self.get_object())

@@ -263,7 +263,7 @@ class JobSubmitSerializer(serializers.Serializer):
 class AttemptSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name")
     preflight_seconds = serializers.FloatField(read_only=True, allow_null=True)
-    running_seconds = serializers.FloatField(read_only=True)
+    running_seconds = serializers.FloatField(read_only=True, allow_null=True)
 
     class Meta:
         model = Attempt
