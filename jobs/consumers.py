@@ -133,6 +133,9 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             await self.follow(subscription)
         except asyncio.CancelledError:
             raise
+        except LogFilterError as exc:  # PostgreSQL refused the pattern RE2 accepted
+            error: ErrorMessage = {"type": "error", "field": exc.field, "message": exc.message}
+            await self.send_json(error)
         except OSError as exc:
             # The viewer went away mid-send (uvicorn's ClientDisconnected is an OSError):
             # routine for a client that reconnects from its cursor, not a failure to log.

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 import re2
 from django.conf import settings
-from django.db import OperationalError, connection, connections, transaction
+from django.db import DataError, OperationalError, connection, connections, transaction
 from django.db.models import BooleanField, Func, Q, QuerySet, Value
 from django.db.models.functions import Lower
 from django.utils import timezone
@@ -35,13 +35,11 @@ WALK_WINDOW_MIN = 1_000
 # What a reader of lines needs (jobs.messages.wire_lines), as read_page returns them.
 ROW_FIELDS = ("attempt_id", "seq", "node_id", "rank", "stream", "severity", "fault", "ts", "text")
 QUERY_CANCELED = "57014"  # PostgreSQL's SQLSTATE for a statement cancelled by statement_timeout
+INVALID_REGEX = "2201B"  # PostgreSQL's SQLSTATE for a regular expression it cannot compile
 
 
-class LogFilterError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+class LogFilterError(InputError):
+    """A filter refused, naming its field: a 400 wherever it is raised in a view (portal.api.errors)."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +304,11 @@ def bounded(query: QuerySet, in_order: bool = False, timeout_ms: int | None = No
     except OperationalError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == QUERY_CANCELED:
             return None
+        raise
+    except DataError as exc:
+        # RE2 accepted the pattern (portal.patterns) but PostgreSQL's dialect has no such syntax.
+        if getattr(exc.__cause__, "sqlstate", None) == INVALID_REGEX:
+            raise LogFilterError("q", f"PostgreSQL cannot run this regular expression ({exc.__cause__}); simplify it")
         raise
     return rows
 

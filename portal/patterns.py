@@ -12,19 +12,16 @@ import functools
 
 import re2
 
+from portal.inputs import InputError
+
 MAX_PATTERN_CHARS = 500
 # RE2's budget for one compiled program: a pattern past it (`(\w{1,100}){100}`) is refused,
 # not run. RE2 itself refuses counted repeats nested past 1000 (`(a{100}){100}`).
 MAX_PROGRAM_BYTES = 1 << 20
 
 
-class PatternError(ValueError):
+class PatternError(InputError):
     """A pattern refused, with the request field it came from."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 def compile_user_pattern(text: str, field: str = "q", regex: bool = True, ignore_case: bool = True):

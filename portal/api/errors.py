@@ -17,6 +17,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from portal.inputs import InputError
 from portal.middleware import DATABASE_DOWN, database_unavailable
 from portal.requestid import request_id_of
 
@@ -53,6 +54,8 @@ def error_body(code: str, errors: list[dict]) -> dict:
 
 
 def exception_handler(exc, context):
+    if isinstance(exc, InputError):  # a bad value found past the parsers (portal.inputs): name its field
+        exc = exceptions.ValidationError({exc.field: [exc.message]})
     if isinstance(exc, exceptions.ParseError):
         errors = [
             {
