@@ -22,7 +22,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from jobs.models import Attempt, LogLine, Severity
-from portal.inputs import InputError, real_number, whole_number
+from portal.inputs import InputError, check_text, real_number, whole_number
 from portal.patterns import PatternError, compile_user_pattern
 
 MAX_SPANS = 50
@@ -57,6 +57,11 @@ class LogFilter:
     def parse(cls, params: Mapping) -> "LogFilter":
         """From query parameters or a JSON object; raises LogFilterError naming the field."""
         get = _getter(params)
+        try:  # a websocket's filters come in JSON, past InputMiddleware
+            for name in FILTER_PARAMS:
+                check_text(get(name), name)
+        except InputError as exc:
+            raise LogFilterError(exc.field, exc.message)
         since = _time(get("since"), "since")
         if minutes := get("last_minutes"):
             number = _number(minutes, "last_minutes", float)

@@ -118,3 +118,21 @@ def test_log_sockets_past_the_users_bound_are_closed_with_4429(running, owner, s
         return accepted, code, reopened
 
     assert async_to_sync(scenario)() == ((True, None), 4429, (True, None))
+
+
+def test_a_nul_in_a_subscribed_filter_is_an_error_message_not_a_crash(running, owner):
+    _, raw = ApiToken.issue(owner, "ws")
+
+    async def scenario():
+        socket = LogSocket(f"/ws/jobs/{running.pk}/logs/", [(b"authorization", f"Bearer {raw}".encode())])
+        await socket.connect()
+        await socket.receive_json()
+        await socket.send_input(
+            {"type": "websocket.receive", "text": '{"type": "subscribe", "filters": {"q": "a\\u0000"}}'}
+        )
+        while (message := await socket.receive_json())["type"] != "error":
+            pass
+        await socket.disconnect()
+        return message
+
+    assert async_to_sync(scenario)()["field"] == "q"
