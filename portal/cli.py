@@ -386,6 +386,13 @@ def cmd_logs(args) -> int:
         cursor = page["cursor"]
 
 
+WS_REFUSED = {
+    4401: "the token is unknown, revoked, or its user deactivated; run `hangar login` with a valid token",
+    4404: "no such job in your projects; check the job id",
+    4429: "too many open log streams; close some and retry",
+}
+
+
 def follow(api: Api, args, job_id: int) -> int:
     """Stream the job's lines until it ends; reconnect from the last cursor if the socket drops."""
     from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -417,6 +424,9 @@ def follow(api: Api, args, job_id: int) -> int:
                 f"the log stream of job {job_id} was refused (HTTP {status}); check the job id and your token"
             )
         except (ConnectionClosed, OSError, TimeoutError) as exc:
+            closed = getattr(getattr(exc, "rcvd", None), "code", None)
+            if closed in WS_REFUSED:  # the server's refusal (portal/wsauth.py): reconnecting cannot help
+                raise CliError(f"the log stream of job {job_id} was closed ({closed}): {WS_REFUSED[closed]}")
             failures += 1
             if failures > 5:
                 raise CliError(f"lost the log stream of job {job_id}: {exc}", EXIT_UNREACHABLE)
