@@ -50,3 +50,5 @@ def carry_request_id(response, request_id: str) -> None:
         body["request_id"] = request_id
         body["message"] = f"{body['message']} (request id {request_id})"
         response.content = json.dumps(body)
+        if response.has_header("Content-Length"):  # set by CommonMiddleware for the old body
+            response["Content-Length"] = str(len(response.content))

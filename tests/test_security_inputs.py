@@ -104,5 +104,6 @@ def test_a_crash_is_logged_under_the_request_id_its_body_carries(owner, project,
     body = json.loads(response.content)
     request_id = body["request_id"]
     assert response["X-Request-Id"] == request_id and request_id in body["message"]
+    assert int(response["Content-Length"]) == len(response.content)
     crash = [r for r in caplog.records if request_id in r.getMessage() and r.exc_info]
     assert crash and "the bug" in str(crash[0].exc_info[1])
