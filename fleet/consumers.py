@@ -21,9 +21,10 @@ from django.db.models import Count
 
 from fleet.messages import FleetMessage, node_wire
 from fleet.models import Node
+from portal import wsauth
 
 log = logging.getLogger("hangar.web")
-CLOSE_UNAUTHENTICATED = 4401
+CLOSE_UNAUTHENTICATED = wsauth.CLOSE_UNAUTHENTICATED
 
 ViewKey = tuple[tuple[str, str], ...]
 
@@ -110,7 +111,7 @@ class FleetConsumer(AsyncWebsocketConsumer):
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            await wsauth.refuse(self, CLOSE_UNAUTHENTICATED)  # accepted, then closed with the code
             return
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         params = {key: values[0] for key, values in query.items() if key in ("state", "gpu", "page")}
@@ -120,10 +121,12 @@ class FleetConsumer(AsyncWebsocketConsumer):
         self.poller = poller()
         self.pump = asyncio.create_task(self.follow())
         self.poller.subscribe(self)
+        self.watcher = wsauth.watch(self)
 
     async def disconnect(self, code):
         if hasattr(self, "pump"):
             self.pump.cancel()
+            self.watcher.cancel()
             self.poller.unsubscribe(self)
 
     async def follow(self):

@@ -8,7 +8,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from fleet import charts, signals
+from fleet import charts, evidence, signals
 from fleet.gpus import FAULT_KINDS
 from fleet.messages import node_wire
 from fleet.models import HealthCheck, HealthEvent, Node, NodeState
@@ -80,9 +80,11 @@ def node_detail(request, name: str):
         "window": window_name,
         "windows": list(WINDOWS),
         "figure": charts.node_figure_json(node, since),
-        "events": HealthEvent.objects.filter(node=node)[:50],
-        **checks_of(node),
-        "history": node.state_history()[:50],
+        # Another project's output and job ids are replaced for all but its members and staff.
+        "events": evidence.redact(HealthEvent.objects.filter(node=node)[:50], request.user),
+        **checks_of(node, request.user),
+        "other_project": evidence.OTHER_PROJECT,
+        "history": evidence.redact_history(node.state_history()[:50], request.user),
         "fault_kinds": FAULT_KINDS,
         "is_operator": request.user.is_staff,
         "attempts": [],
@@ -93,9 +95,9 @@ def node_detail(request, name: str):
     return render(request, "fleet/node_detail.html", context)
 
 
-def checks_of(node: Node, limit: int = 60) -> dict:
-    """The latest checks, failures first and shown; the routine passes folded away."""
-    checks = list(HealthCheck.objects.filter(node=node).select_related("attempt")[:limit])
+def checks_of(node: Node, user, limit: int = 60) -> dict:
+    """The latest checks (as `user` may see them), failures first and shown; the routine passes folded away."""
+    checks = evidence.redact(HealthCheck.objects.filter(node=node).select_related("attempt")[:limit], user)
     return {
         "checks": checks,
         "failed_checks": [c for c in checks if not c.passed],

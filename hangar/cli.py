@@ -314,16 +314,22 @@ def cmd_logs(args) -> int:
         cursor = page["cursor"]
 
 
-# The server bounds every websocket message (1 MiB, README: Logs); the client accepts more.
+# The server bounds every websocket message (512 KiB, README: Logs); the client accepts more.
 WS_MAX_SIZE = 8 * 1024 * 1024
 # Tries in a row that bring no new line or state before `follow` gives up (exit 6).
 FOLLOW_TRIES = 6
+WS_REFUSED = {
+    4401: "the token is unknown, revoked, or its user deactivated; run `hangar login` with a valid token",
+    4404: "no such job in your projects; check the job id",
+    4429: "too many open log streams; close some and retry",
+}
 
 
 def follow(api: Client, args, job_id: int, cursor: dict | None = None) -> int:
     """Stream the job's lines until it ends; reconnect from the last cursor if the socket drops.
     A connection that brings nothing new counts as a failure: after FOLLOW_TRIES in a row on the
-    same cursor it gives up, so a stream that keeps breaking ends instead of retrying for ever."""
+    same cursor it gives up, so a stream that keeps breaking ends instead of retrying for ever.
+    A close the server means as a refusal (4401, 4404, 4429) ends it at once."""
     from websockets.exceptions import ConnectionClosed, InvalidStatus
     from websockets.sync.client import connect
 
@@ -358,6 +364,9 @@ def follow(api: Client, args, job_id: int, cursor: dict | None = None) -> int:
                 f"the log stream of job {job_id} was refused (HTTP {status}); check the job id and your token"
             )
         except (ConnectionClosed, OSError, TimeoutError) as exc:
+            closed = getattr(getattr(exc, "rcvd", None), "code", None)
+            if closed in WS_REFUSED:  # the server's refusal (portal/wsauth.py): reconnecting cannot help
+                raise HangarError(f"the log stream of job {job_id} was closed ({closed}): {WS_REFUSED[closed]}")
             failures += 1
             if failures >= FOLLOW_TRIES:
                 where = f"{cursor['attempt']}:{cursor['seq']}"

@@ -34,6 +34,8 @@ from jobs.messages import (
     telemetry_url,
 )
 from jobs.models import FINAL_JOB_STATES, Attempt, Job
+from portal import wsauth
+from portal.capacity import slots
 
 log = logging.getLogger("hangar.web")
 # A subscription's first batch is small, so the view fills at once; a replay then goes on in
@@ -43,32 +45,47 @@ FIRST_BATCH, BATCH = 1000, 5000
 # goes out in several messages, each with the cursor of its own last line. (Clients' default
 # limits are often 1 MiB; websockets' is, and a larger message is closed with 1009.)
 MAX_MESSAGE_BYTES = 512 * 1024
-CLOSE_UNAUTHENTICATED = 4401
-CLOSE_NOT_FOUND = 4404
+CLOSE_UNAUTHENTICATED = wsauth.CLOSE_UNAUTHENTICATED
+CLOSE_NOT_FOUND = wsauth.CLOSE_NOT_FOUND
 
 
 class JobLogConsumer(AsyncWebsocketConsumer):
     async def connect(self):
+        # Refusals are accepted, then closed with their code (portal.wsauth).
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            await wsauth.refuse(self, CLOSE_UNAUTHENTICATED)
             return
         self.job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
-        if not await database_sync_to_async(Job.objects.visible_to(user).filter(pk=self.job_id).exists)():
-            await self.close(code=CLOSE_NOT_FOUND)
+        if not await database_sync_to_async(self.visible)():
+            await wsauth.refuse(self, CLOSE_NOT_FOUND)
             return
+        if (refusal := slots.take("stream", user.pk)) is not None:
+            log.info("log stream of job %s refused: %s", self.job_id, refusal)
+            await wsauth.refuse(self, wsauth.CLOSE_BUSY)
+            return
+        self.slot = user.pk
         self.wake = asyncio.Event()
         self.sub = 0
         self.pump: asyncio.Task | None = None
         if self.channel_layer is not None:
             await self.channel_layer.group_add(job_group(self.job_id), self.channel_name)
         await self.accept()
+        self.watcher = wsauth.watch(self, self.visible)
         params = {k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode("latin-1")).items()}
         await self.subscribe(params, cursor_from(params), announce=False)
+
+    def visible(self) -> bool:
+        return Job.objects.visible_to(self.scope["user"]).filter(pk=self.job_id).exists()
 
     async def disconnect(self, code):
         if getattr(self, "pump", None) is not None:
             self.pump.cancel()
+        if getattr(self, "watcher", None) is not None:
+            self.watcher.cancel()
+        if getattr(self, "slot", None) is not None:
+            slots.give_back("stream", self.slot)
+            self.slot = None
         if self.channel_layer is not None and hasattr(self, "job_id"):
             await self.channel_layer.group_discard(job_group(self.job_id), self.channel_name)
 
@@ -118,6 +135,9 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             await self.follow(subscription)
         except asyncio.CancelledError:
             raise
+        except LogFilterError as exc:  # PostgreSQL refused the pattern RE2 accepted
+            error: ErrorMessage = {"type": "error", "field": exc.field, "message": exc.message}
+            await self.send_json(error)
         except OSError as exc:
             # The viewer went away mid-send (uvicorn's ClientDisconnected is an OSError):
             # routine for a client that reconnects from its cursor, not a failure to log.

@@ -82,9 +82,21 @@ class Echo:
         return value
 
 
+# A text cell a spreadsheet would read as a formula (a job named `=HYPERLINK(...)`).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(value):
+    """A text cell starting like a formula gets a leading `'`, so it is shown as text (OWASP's
+    CSV injection advice); numbers are left as they are."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def stream_csv(name: str, header: list[str], rows) -> StreamingHttpResponse:
     writer = csv.writer(Echo())
-    lines = (writer.writerow(row) for row in _with_header(header, rows))
+    lines = (writer.writerow([spreadsheet_safe(cell) for cell in row]) for row in _with_header(header, rows))
     response = StreamingHttpResponse(lines, content_type="text/csv")
     stamp = timezone.now().strftime("%Y%m%d-%H%M")
     response["Content-Disposition"] = f'attachment; filename="hangar-{name}-{stamp}.csv"'

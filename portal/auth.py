@@ -6,7 +6,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.cache import cache
 from django.db.models.signals import post_delete, post_save
-from rest_framework import authentication, exceptions, permissions
+from rest_framework import authentication, exceptions
 
 from portal.models import ApiToken, AuditEvent, hash_token
 
@@ -94,15 +94,5 @@ class WebsocketTokenMiddleware(BaseMiddleware):
             token = await database_sync_to_async(ApiToken.authenticate)(raw)
             if token is not None:
                 scope["user"] = token.user
+                scope["token_id"] = token.pk  # re-checked while the socket is open (portal.wsauth)
         return await super().__call__(scope, receive, send)
-
-
-class TokenScope(permissions.BasePermission):
-    """A read-only token may only read. (Its project limit is applied by
-    `Project.objects.visible_to`, which every queryset goes through.)"""
-
-    message = "this API token is read-only; create a token without --read-only to submit, cancel or change things"
-
-    def has_permission(self, request, view) -> bool:
-        token = request.auth if isinstance(request.auth, ApiToken) else None
-        return token is None or not token.read_only or request.method in permissions.SAFE_METHODS

@@ -8,6 +8,7 @@ REDIS_URL switches to services mode (PostgreSQL, Redis) with the same code.
 import base64
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -95,6 +96,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "axes",
+    "csp",
     "portal",
     "fleet",
     "jobs",
@@ -102,6 +105,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "portal.requestid.RequestIdMiddleware",
+    "csp.middleware.CSPMiddleware",
+    "portal.bodylimits.BodyLimitMiddleware",
+    "portal.inputs.InputMiddleware",
     "portal.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -111,6 +118,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "portal.middleware.LoginRequiredMiddleware",
+    # Last, as django-axes asks: it answers a locked-out login attempt (portal/login.py).
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -180,8 +189,42 @@ EMBEDDED_DATABASE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": env_int("HANGAR_PASSWORD_MIN_LENGTH", 10, minimum=8)},
+    },
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+
+# --- Login throttling (django-axes; portal/login.py) ----------------------------
+# After HANGAR_LOGIN_FAILURE_LIMIT wrong passwords for one username from one address,
+# that pair is locked out for HANGAR_LOGIN_LOCKOUT_MINUTES (429), even with the right
+# password; a successful login resets the count. Every failure is in the audit trail.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("HANGAR_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("HANGAR_LOGIN_LOCKOUT_MINUTES", 15.0, minimum=0.1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_HTTP_RESPONSE_CODE = 429
+AXES_LOCKOUT_CALLABLE = "portal.login.locked_out"
+AXES_VERBOSE = False
+
+# --- Mail (password reset) -------------------------------------------------------
+# Embedded default: mails are printed on the web process's console. Set HANGAR_EMAIL_HOST
+# (and its port, user, password, TLS) to send them through an SMTP server.
+EMAIL_HOST = env_str("HANGAR_EMAIL_HOST")
+EMAIL_BACKEND = env_str(
+    "HANGAR_EMAIL_BACKEND",
+    "django.core.mail.backends.smtp.EmailBackend" if EMAIL_HOST else "django.core.mail.backends.console.EmailBackend",
+)
+EMAIL_PORT = env_int("HANGAR_EMAIL_PORT", 587, minimum=1)
+EMAIL_HOST_USER = env_str("HANGAR_EMAIL_USER")
+EMAIL_HOST_PASSWORD = env_str("HANGAR_EMAIL_PASSWORD")
+EMAIL_USE_TLS = env_bool("HANGAR_EMAIL_USE_TLS", True)
+DEFAULT_FROM_EMAIL = env_str("HANGAR_EMAIL_FROM", "hangar@localhost")
+PASSWORD_RESET_TIMEOUT = env_int("HANGAR_PASSWORD_RESET_SECONDS", 3600, minimum=60)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -201,11 +244,14 @@ REST_FRAMEWORK = {
         "portal.auth.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated", "portal.auth.TokenScope"],
+    # The one rule for every view (signed in, read-only tokens, operator actions): portal/permissions.py.
+    "DEFAULT_PERMISSION_CLASSES": ["portal.permissions.ApiAccess"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # DRF's JSON parser that refuses NUL, lone surrogates, non-finite or 64-bit-overflowing
+    # numbers and deep nesting with a 400 naming the field (portal/inputs.py).
+    "DEFAULT_PARSER_CLASSES": ["portal.inputs.JSONParser"],
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "portal.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -229,6 +275,8 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "SCHEMA_PATH_PREFIX": "/api/v1",
     "ENUM_NAME_OVERRIDES": {"RoleEnum": "portal.models.Role.choices"},
+    # Every operation declares the error statuses it may answer (schemathesis checks them all).
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "portal.api.schema.declare_errors"],
 }
 
 # How long a web process remembers an API token it has checked (one query less per request):
@@ -241,6 +289,20 @@ HANGAR_WEB_WORKERS = env_int("HANGAR_WEB_WORKERS", 1, minimum=1)
 # Threads per web process that run HTTP requests (portal.sync_http); requests beyond
 # them wait their turn. At most the database pool's size: more would wait for a connection.
 HANGAR_WEB_THREADS = env_int("HANGAR_WEB_THREADS", 8, minimum=1)
+# Requests that wait or stream (portal/capacity.py), per user and per web process; over
+# a bound: 429 with Retry-After (a websocket closes with 4429). Long polls per process:
+# 0 means half of HANGAR_WEB_THREADS, so short requests always have threads left.
+HANGAR_LONG_POLLS_PER_USER = env_int("HANGAR_LONG_POLLS_PER_USER", 2, minimum=1)
+HANGAR_LONG_POLLS_PER_PROCESS = env_int("HANGAR_LONG_POLLS_PER_PROCESS", 0, minimum=0)
+HANGAR_STREAMS_PER_USER = env_int("HANGAR_STREAMS_PER_USER", 8, minimum=1)
+HANGAR_STREAMS_PER_PROCESS = env_int("HANGAR_STREAMS_PER_PROCESS", 200, minimum=1)
+
+# Request bodies (portal/bodylimits.py): larger ones are answered 413 before they are read.
+# Requests without credentials (no token, no session cookie) get the smaller limit.
+HANGAR_MAX_BODY_BYTES = env_int("HANGAR_MAX_BODY_BYTES", 2 * 1024 * 1024, minimum=1024)
+HANGAR_MAX_ANONYMOUS_BODY_BYTES = env_int("HANGAR_MAX_ANONYMOUS_BODY_BYTES", 64 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_MAX_BODY_BYTES
+DATA_UPLOAD_MAX_NUMBER_FIELDS = 1000
 
 # --- Production (HTTPS) ------------------------------------------------------
 # Behind HTTPS set HANGAR_HTTPS=1: secure cookies, HSTS and a redirect to https,
@@ -253,6 +315,30 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = HANGAR_HTTPS
 SECURE_HSTS_PRELOAD = env_bool("HANGAR_HSTS_PRELOAD", HANGAR_HTTPS)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
+
+# Content-Security-Policy (django-csp): scripts only from this server's own files, no inline
+# script (pages keep their data in <script type="application/json"> blocks and their code
+# in static/js), websockets and fetches to this origin only. Inline styles stay allowed:
+# Plotly and htmx set them. HANGAR_CSP_REPORT_ONLY=1 reports instead of enforcing.
+_CSP = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:", "blob:"],
+        "font-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "worker-src": ["'self'", "blob:"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
+if env_bool("HANGAR_CSP_REPORT_ONLY", False):
+    CONTENT_SECURITY_POLICY_REPORT_ONLY = _CSP
+else:
+    CONTENT_SECURITY_POLICY = _CSP
 if env_bool("HANGAR_BEHIND_PROXY", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SILENCED_SYSTEM_CHECKS = env_list("HANGAR_SILENCED_SYSTEM_CHECKS", [])
@@ -275,6 +361,9 @@ else:
     # No layer: agents run in other processes, so websocket consumers poll the
     # stored lines instead (they always read from the database anyway).
     CHANNEL_LAYERS = {}
+# How often an open websocket re-checks its token or session (portal/wsauth.py): a revoked
+# token, ended session or deactivated user is closed (4401) within this many seconds.
+HANGAR_WS_RECHECK_SECONDS = env_float("HANGAR_WS_RECHECK_SECONDS", 3.0, minimum=0.05)
 # How often a log websocket re-reads the database when no push hint arrives.
 HANGAR_LOG_POLL_SECONDS = env_float("HANGAR_LOG_POLL_SECONDS", 2.0 if REDIS_URL else 0.1, minimum=0.01)
 

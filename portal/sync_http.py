@@ -24,6 +24,8 @@ from django.conf import settings
 from django.core.handlers.wsgi import WSGIHandler
 from django.db import close_old_connections
 
+from portal import bodylimits
+
 STREAM_CHUNK = 64 * 1024  # a streaming response's pieces are sent at least this big
 
 
@@ -35,9 +37,20 @@ class SyncHttpApp:
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="http")
 
     async def __call__(self, scope, receive, send) -> None:
-        body = await read_body(receive)
+        # A body over its limit is refused from its Content-Length, before a byte of it is read.
+        limit, declared, invalid = bodylimits.scope_limit(scope)
+        if invalid:
+            await send_response(send, bodylimits.bad_length())
+            return
+        if declared is not None and declared > limit:
+            await send_response(send, bodylimits.too_large(declared, limit, bodylimits.is_anonymous_limit(limit)))
+            return
+        body = await read_body(receive, limit)
         if body is None:
             return  # the client left before it finished sending
+        if body is TOO_LARGE:
+            await send_response(send, bodylimits.too_large(None, limit, bodylimits.is_anonymous_limit(limit)))
+            return
         loop = asyncio.get_running_loop()
         exchange = Exchange(self.wsgi_app, scope, body, loop, send)
         try:
@@ -121,14 +134,30 @@ def close(response) -> None:
         response.close()
 
 
-async def read_body(receive) -> SpooledTemporaryFile | None:
+TOO_LARGE = object()  # read_body's answer for a body (sent without Content-Length) past its limit
+
+
+async def send_response(send, response) -> None:
+    """A small Django response sent from the event loop (no pool thread, no body read)."""
+    headers = [(b"content-type", response["Content-Type"].encode("latin-1")), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": response.content})
+
+
+async def read_body(receive, limit: int | None = None):
     body = SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             body.close()
             return None
-        body.write(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            body.close()
+            return TOO_LARGE
+        body.write(chunk)
         if not message.get("more_body"):
             body.seek(0)
             return body

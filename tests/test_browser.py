@@ -56,6 +56,8 @@ def test_queue_and_cost_pages_render_without_script_errors(browser, stack):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # A script or connection the Content-Security-Policy refused shows up on the console.
+    page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))
     page.goto(stack.url + "/login/")
     page.fill("input[name=username]", "admin")
     page.fill("input[name=password]", stack.password)

@@ -154,6 +154,10 @@ def test_errors_are_clear_and_exit_codes_mean_something(hangar):
     code, _, err = hangar("status", "1", "--token", "hgr_wrong")
     assert code == cli.EXIT_API and "hangar login" in err
 
+    # A refused log stream (accepted, then closed with 4404) ends at once with what to check.
+    code, _, err = hangar("logs", "999999", "--follow")
+    assert code == cli.EXIT_API and "(4404)" in err and "job id" in err
+
     code, _, err = hangar("cordon", "no-such-node", "--reason", "test")
     assert code == cli.EXIT_API and err.startswith("hangar: ")
     code, _, err = hangar("cordon", "node-a")

@@ -189,7 +189,9 @@ def test_drill_3_database_restart_answers_503_and_loses_no_transition(tmp_path):
             assert response.headers["Retry-After"].isdigit()
             if kind == "api":
                 body = response.json()
-                assert set(body) == {"code", "message", "errors"} and body["code"] == "unavailable"
+                # A 5xx carries the request id the server log has it under (portal.requestid).
+                assert set(body) == {"code", "message", "errors", "request_id"} and body["code"] == "unavailable"
+                assert body["request_id"] == response.headers["X-Request-Id"]
             else:
                 assert response.headers["content-type"].startswith("text/html")
                 assert "Traceback" not in response.text and "briefly unavailable" in response.text

@@ -23,6 +23,8 @@ def test_the_fleet_page_follows_a_fault_live_and_the_node_page_charts(browser, s
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # A script or connection the Content-Security-Policy refused shows up on the console.
+    page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))
     page.goto(stack.url + "/login/?next=/fleet/")
     page.fill("input[name=username]", "admin")
     page.fill("input[name=password]", stack.password)

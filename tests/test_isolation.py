@@ -10,7 +10,7 @@ from django.test import Client
 from jobs.models import Job, JobState
 from portal.models import ApiToken, Membership, Role, Volume
 from tests.factories import api_client, make_job, make_node, token_client
-from tests.test_access import open_socket
+from tests.test_access import close_code
 
 MARKER = "lab-secret-marker"
 # The fleet is shared by every project: any signed-in user may read its nodes.
@@ -127,6 +127,4 @@ def test_the_log_socket_refuses_a_token_limited_to_another_project(roles):
     Membership.objects.create(project=roles["other"], user=roles["admin"], role=Role.ADMIN)
     _, raw = ApiToken.issue(roles["admin"], "ws", project=roles["other"])
 
-    accepted, code, _ = open_socket(f"/ws/jobs/{job.pk}/logs/", [(b"authorization", f"Bearer {raw}".encode())])
-
-    assert (accepted, code) == (False, 4404)
+    assert close_code(f"/ws/jobs/{job.pk}/logs/", [(b"authorization", f"Bearer {raw}".encode())]) == 4404

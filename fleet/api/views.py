@@ -1,8 +1,10 @@
-from rest_framework import permissions, serializers, viewsets
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
+from fleet import evidence
 from fleet.gpus import FAULT_KINDS
 from fleet.models import GPU, HealthCheck, HealthEvent, Node
 from fleet.operator import OperatorError, change_state, inject_fault
@@ -34,16 +36,25 @@ class NodeSerializer(serializers.ModelSerializer):
         ]
 
 
+OTHER_PROJECT_HELP = "true: the attempt and the job's output are hidden, they belong to a job of another project"
+
+
 class HealthEventSerializer(serializers.ModelSerializer):
+    other_project = serializers.BooleanField(read_only=True, default=False, help_text=OTHER_PROJECT_HELP)
+
     class Meta:
         model = HealthEvent
-        fields = ["at", "kind", "severity", "gpu_index", "xid", "attempt", "message", "evidence", "action"]
+        fields = [
+            "at", "kind", "severity", "gpu_index", "xid", "attempt", "other_project", "message", "evidence", "action",
+        ]  # fmt: skip
 
 
 class HealthCheckSerializer(serializers.ModelSerializer):
+    other_project = serializers.BooleanField(read_only=True, default=False, help_text=OTHER_PROJECT_HELP)
+
     class Meta:
         model = HealthCheck
-        fields = ["at", "suite", "name", "passed", "duration_ms", "evidence", "attempt"]
+        fields = ["at", "suite", "name", "passed", "duration_ms", "evidence", "attempt", "other_project"]
 
 
 class StateChangeSerializer(serializers.Serializer):
@@ -60,18 +71,13 @@ class FaultSerializer(serializers.Serializer):
     seconds = serializers.FloatField(required=False, default=30.0, min_value=0.1)
 
 
-class IsOperator(permissions.BasePermission):
-    message = "only fleet operators (staff users) may change a node"
-
-    def has_permission(self, request, view):
-        return bool(request.user and request.user.is_staff)
-
-
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     """Nodes are shared by all projects: any signed-in user may read the fleet; operators (staff) change it."""
 
     serializer_class = NodeSerializer
     lookup_field = "name"
+    # Staff only, never with a read-only or project-limited token (portal.permissions.ApiAccess).
+    operator_actions = ("cordon", "drain", "uncordon", "fault")
 
     def get_queryset(self):
         nodes = Node.objects.prefetch_related("gpus")
@@ -80,11 +86,6 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         if gpu_model := self.request.query_params.get("gpu_model"):
             nodes = nodes.filter(gpu_model=gpu_model)
         return nodes
-
-    def get_permissions(self):
-        if self.action in ("cordon", "drain", "uncordon", "fault"):
-            return [permissions.IsAuthenticated(), IsOperator()]
-        return super().get_permissions()
 
     def _change(self, request, verb: str):
         node = self.get_object()
@@ -125,14 +126,16 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             raise ValidationError({exc.field: [str(exc)]})
         return Response({"id": fault.pk, "kind": fault.kind, "gpu": fault.gpu_index, "xid": fault.xid}, status=201)
 
+    @extend_schema(responses=HealthEventSerializer(many=True))
     @action(detail=True, methods=["get"])
     def events(self, request, name=None):
         events = HealthEvent.objects.filter(node=self.get_object())
-        page = self.paginate_queryset(events)
+        page = evidence.redact(self.paginate_queryset(events), request.user)
         return self.get_paginated_response(HealthEventSerializer(page, many=True).data)
 
+    @extend_schema(responses=HealthCheckSerializer(many=True))
     @action(detail=True, methods=["get"])
     def checks(self, request, name=None):
         checks = HealthCheck.objects.filter(node=self.get_object())
-        page = self.paginate_queryset(checks)
+        page = evidence.redact(self.paginate_queryset(checks), request.user, evidence_is_dict=False)
         return self.get_paginated_response(HealthCheckSerializer(page, many=True).data)

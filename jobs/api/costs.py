@@ -4,12 +4,13 @@ from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs import costreports
-from jobs.models import Budget
+from jobs.models import Budget, JobState
+from portal.api.pagination import LIMIT_SCHEMA, OFFSET_SCHEMA, Pagination
+from portal.api.schema import or_empty
 from portal.remembered import forget_on_change, remembered
 
 
@@ -69,15 +70,23 @@ def cost_filter(request) -> costreports.CostFilter:
     return f
 
 
+SORT_KEYS = sorted([*costreports.SORTS, *(f"-{key}" for key in costreports.SORTS)])
 COST_FILTERS = [
-    OpenApiParameter(name, str) for name in ("project", "user", "gpu_type", "state", "date_from", "date_to", "sort")
+    *(OpenApiParameter(name, str) for name in ("project", "user", "gpu_type")),
+    OpenApiParameter("state", enum=["", *JobState.values]),
+    OpenApiParameter("date_from", or_empty({"type": "string", "format": "date"})),
+    OpenApiParameter("date_to", or_empty({"type": "string", "format": "date"})),
+    OpenApiParameter("sort", enum=["", *SORT_KEYS]),
 ]
 
 
 class CostSummaryView(APIView):
     """Totals, budgets and one roll-up: ?by=project|user|gpu_type|day|label plus the job table's filters."""
 
-    @extend_schema(parameters=[*COST_FILTERS, OpenApiParameter("by", str)], responses=OpenApiTypes.OBJECT)
+    @extend_schema(
+        parameters=[*COST_FILTERS, OpenApiParameter("by", enum=list(costreports.ROLLUPS))],
+        responses=OpenApiTypes.OBJECT,
+    )
     def get(self, request):
         f = cost_filter(request)
         by = request.query_params.get("by", "project")
@@ -97,12 +106,12 @@ class CostJobsView(APIView):
     """The per-job cost table: filters project, user, gpu_type, state, date_from, date_to; sort; limit/offset."""
 
     @extend_schema(
-        parameters=[*COST_FILTERS, OpenApiParameter("limit", int), OpenApiParameter("offset", int)],
+        parameters=[*COST_FILTERS, OpenApiParameter("limit", LIMIT_SCHEMA), OpenApiParameter("offset", OFFSET_SCHEMA)],
         responses=OpenApiTypes.OBJECT,
     )
     def get(self, request):
         jobs = costreports.job_table(request.user, cost_filter(request))
-        paginator = LimitOffsetPagination()
+        paginator = Pagination()
         limit, offset = paginator.get_limit(request), paginator.get_offset(request)
         count = jobs.count()
         rows = list(costreports.job_rows(jobs[offset : offset + limit]))

@@ -9,6 +9,7 @@ last_minutes, q, regex.
 
 import json
 import time
+from contextlib import ExitStack
 
 from asgiref.sync import sync_to_async
 from django.core.handlers.asgi import ASGIRequest
@@ -21,8 +22,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs.api.views import int_param
-from jobs.logquery import LogFilter, LogFilterError, read_page, wire_lines
+from jobs.logquery import MAX_MINUTES, SEVERITY_NAMES, LogFilter, LogFilterError, read_page, wire_lines
 from jobs.models import FINAL_JOB_STATES, Job
+from portal.api.schema import or_empty
+from portal.capacity import slots
+from portal.patterns import MAX_PATTERN_CHARS
 
 LOG_PAGE_MAX = 5000
 FOLLOW_WAIT_MAX = 25.0
@@ -41,11 +45,16 @@ def parse_filter(request) -> LogFilter:
         raise serializers.ValidationError({exc.field: exc.message})
 
 
+WHOLE = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+SEVERITIES = {"type": "string", "enum": sorted(SEVERITY_NAMES)}
+MINUTES = {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": MAX_MINUTES}
+TIME = or_empty({"type": "string", "format": "date-time"})
 FILTER_PARAMETERS = [
     OpenApiParameter(name, kind)
     for name, kind in (
-        ("attempt", int), ("node", str), ("rank", int), ("severity", str), ("since", str), ("until", str),
-        ("last_minutes", int), ("q", str), ("regex", bool),
+        ("attempt", WHOLE), ("node", str), ("rank", WHOLE), ("severity", SEVERITIES),
+        ("since", TIME), ("until", TIME), ("last_minutes", MINUTES),
+        ("q", {"type": "string", "maxLength": MAX_PATTERN_CHARS}), ("regex", bool),
     )
 ]  # fmt: skip
 
@@ -57,7 +66,7 @@ class JobLogsView(APIView):
     @extend_schema(
         parameters=[
             *FILTER_PARAMETERS,
-            *(OpenApiParameter(n, int) for n in ("after_attempt", "after_seq", "limit", "wait")),
+            *(OpenApiParameter(n, WHOLE) for n in ("after_attempt", "after_seq", "limit", "wait")),
             OpenApiParameter("follow", bool),
         ],
         responses=OpenApiTypes.OBJECT,
@@ -70,16 +79,21 @@ class JobLogsView(APIView):
         follow = request.query_params.get("follow", "").lower() in ("1", "true", "yes")
         wait = min(float(int_param(request, "wait", 20)), FOLLOW_WAIT_MAX) if follow else 0.0
         deadline = time.monotonic() + wait
-        while True:
-            # The state is read before the lines: a final state seen here means every line is stored.
-            state = Job.objects.filter(pk=job.pk).values_list("state", flat=True).get()
-            lines, after, more = read_page(job.pk, log_filter, cursor, limit)
-            final = state in FINAL_JOB_STATES and not more
-            if lines or final or time.monotonic() >= deadline:
-                break
-            cursor = after
-            if not more:  # more with no lines: a walk through non-matching lines goes on at once
-                time.sleep(FOLLOW_POLL_SECONDS)
+        with ExitStack() as waiting:
+            holding = False
+            while True:
+                # The state is read before the lines: a final state seen here means every line is stored.
+                state = Job.objects.filter(pk=job.pk).values_list("state", flat=True).get()
+                lines, after, more = read_page(job.pk, log_filter, cursor, limit)
+                final = state in FINAL_JOB_STATES and not more
+                if lines or final or time.monotonic() >= deadline:
+                    break
+                cursor = after
+                if not holding:
+                    # Waiting holds a request thread: only within the user's and the process's bounds.
+                    holding = waiting.enter_context(slots.held("long_poll", request.user.pk)) or True
+                if not more:  # more with no lines: a walk through non-matching lines goes on at once
+                    time.sleep(FOLLOW_POLL_SECONDS)
         return Response(
             {
                 "lines": wire_lines(lines, log_filter.pattern()),
@@ -107,6 +121,7 @@ class JobLogDownloadView(APIView):
         chunks = DownloadChunks(job.pk, log_filter, kind)
         # Under ASGI a synchronous iterator would be read whole before sending: stream asynchronously there.
         content = chunks.async_iter() if isinstance(request._request, ASGIRequest) else iter(chunks)
+        content = slots.hold_while("stream", request.user.pk, content)  # 429 past the bounds (portal.capacity)
         response = StreamingHttpResponse(
             content, content_type="application/x-ndjson" if kind == "jsonl" else "text/plain; charset=utf-8"
         )

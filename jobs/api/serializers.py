@@ -202,8 +202,8 @@ class JobSubmitSerializer(serializers.Serializer):
 
 class AttemptSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name")
-    preflight_seconds = serializers.FloatField(read_only=True)
-    running_seconds = serializers.FloatField(read_only=True)
+    preflight_seconds = serializers.FloatField(read_only=True, allow_null=True)
+    running_seconds = serializers.FloatField(read_only=True, allow_null=True)
 
     class Meta:
         model = Attempt
@@ -230,7 +230,7 @@ class AttemptSerializer(serializers.ModelSerializer):
 
 class JobSerializer(serializers.ModelSerializer):
     project = serializers.CharField(source="project.slug")
-    environment = serializers.CharField(source="environment.name", default=None)
+    environment = serializers.CharField(source="environment.name", default=None, allow_null=True)
     submitted_by = serializers.CharField(source="submitted_by.username")
     attempts = AttemptSerializer(many=True, read_only=True)
     secret_env = serializers.SerializerMethodField(help_text="Names of the secret variables; values are never shown.")

@@ -14,6 +14,7 @@ from jobs import reproduce
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState, priority_classes
 from jobs.scheduler import queue_report
+from portal.inputs import InputError, whole_number
 from portal.models import Project, Role
 
 IDEMPOTENCY_HEADER = OpenApiParameter(
@@ -46,7 +47,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("state", enum=JobState.values),
+            OpenApiParameter("state", enum=["", *JobState.values]),
             OpenApiParameter("project", str),
             OpenApiParameter("submitted_by", str, description="a username, or `me`"),
             OpenApiParameter("name", str, description="part of the job's name"),
@@ -259,9 +260,6 @@ def int_param(request, name: str, default: int) -> int:
     if raw in (None, ""):
         return default
     try:
-        value = int(raw)
-    except ValueError:
-        raise serializers.ValidationError({name: f"must be a whole number, got {raw!r}"})
-    if value < 0:
-        raise serializers.ValidationError({name: "must not be negative"})
-    return value
+        return whole_number(raw, name, maximum=2**31 - 1)
+    except InputError as exc:
+        raise serializers.ValidationError({exc.field: exc.message})

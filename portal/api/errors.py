@@ -6,6 +6,7 @@
 lists every problem with the path of the field it concerns.
 """
 
+import logging
 import sys
 
 from django.core.exceptions import PermissionDenied
@@ -17,10 +18,16 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from portal.api.shape import error_body, flatten
+from portal.inputs import InputError
 from portal.middleware import DATABASE_DOWN, database_unavailable
+from portal.requestid import request_id_of
+
+log = logging.getLogger("hangar.web")
 
 
 def exception_handler(exc, context):
+    if isinstance(exc, InputError):  # a bad value found past the parsers (portal.inputs): name its field
+        exc = exceptions.ValidationError({exc.field: [exc.message]})
     if isinstance(exc, exceptions.ParseError):
         errors = [
             {
@@ -74,6 +81,8 @@ def crashed(request):
     # middleware read the session is an outage to retry, not a crash.
     if isinstance(sys.exc_info()[1], DATABASE_DOWN):
         return database_unavailable(request)
+    # The traceback goes to Hangar's log under the request id the answer carries (portal.requestid).
+    log.error("%s %s crashed (request id %s)", request.method, request.path, request_id_of(request), exc_info=True)
     if request.path.startswith("/api/"):
         errors = [{"field": "", "message": "internal error; the server log has the details, retry or report it"}]
         return JsonResponse(error_body("server_error", errors), status=500)

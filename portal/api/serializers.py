@@ -63,6 +63,13 @@ class TokenSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "hint", "project", "read_only", "created_at", "last_used_at", "revoked_at"]
         read_only_fields = ["id", "hint", "created_at", "last_used_at", "revoked_at"]
 
+    def to_internal_value(self, data):
+        # DRF reads "" as null for a relation: a blank slug is a mistake, not "all projects".
+        if isinstance(data, dict) and data.get("project") == "":
+            message = "is blank; give a project's slug, or leave it out (or null) for all your projects"
+            raise serializers.ValidationError({"project": [message]})
+        return super().to_internal_value(data)
+
     def validate_project(self, project: Project | None) -> Project | None:
         request = self.context["request"]
         if project is not None and not Project.objects.visible_to(request.user).filter(pk=project.pk).exists():

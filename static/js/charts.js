@@ -8,7 +8,9 @@
   function drawStatic() {
     document.querySelectorAll("[data-figure]").forEach(function (div) {
       var source = document.getElementById(div.dataset.figure);
-      if (source) draw(div, JSON.parse(source.textContent));
+      if (!source) return;
+      var figure = JSON.parse(source.textContent);
+      draw(div, typeof figure === "string" ? JSON.parse(figure) : figure);  // a figure sent as JSON text
     });
   }
   function pollMetrics(div) {

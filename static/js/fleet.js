@@ -48,7 +48,14 @@ window.hangarFleet = (function () {
         status.textContent = "live · updated " + new Date().toLocaleTimeString();
       }
     };
-    ws.onclose = () => { status.textContent = "live updates lost; reconnecting…"; setTimeout(() => follow(page), 2000); };
+    ws.onclose = (event) => {
+      if (event.code === 4401) { status.textContent = "signed out: reload the page to log in again"; return; }
+      status.textContent = "live updates lost; reconnecting…";
+      setTimeout(() => follow(page), 2000);
+    };
   }
+  // The page passes its number on the script's own tag (no inline script: the CSP forbids it).
+  const me = document.currentScript;
+  if (me && me.dataset.followPage) follow(Number(me.dataset.followPage));
   return { follow, patch };
 })();

@@ -216,9 +216,13 @@
       } else if (message.type === "state") showState(message);
       else if (message.type === "first_error") showFirstError(message);
     };
-    socket.onclose = function () {
+    socket.onclose = function (event) {
       socket = null;
       if (finished) return;
+      // The server's refusals (portal/wsauth.py): reconnecting cannot help, except once streams free up.
+      if (event.code === 4401) { setStatus("signed out: reload the page to log in again"); return; }
+      if (event.code === 4404) { setStatus("this job is no longer in your projects"); return; }
+      if (event.code === 4429) { setStatus("too many open log streams; retrying…"); setTimeout(connect, 5000); return; }
       setStatus("reconnecting…");
       setTimeout(connect, retryMs);
       retryMs = Math.min(retryMs * 2, 5000);

@@ -1,0 +1,67 @@
+"""Who may read what a health event or check took from a job: its project's members and staff.
+
+Nodes are shared by every project, so any signed-in user sees a node's events, checks
+and cordon history; but an event found in a job's output carries that job's printed
+line and its attempt, and a check run for a job names the job. For anyone else those
+are replaced by "a job of another project" (what happened to the node stays readable).
+Used by the node page and the node API alike.
+"""
+
+from portal.models import Project
+
+OTHER_PROJECT = "a job of another project"
+# Evidence keys whose values come from a job's own output (fleet.health's output findings).
+OUTPUT_KEYS = ("line",)
+
+
+def attempt_model():
+    from fleet.models import HealthEvent
+
+    return HealthEvent._meta.get_field("attempt").related_model  # jobs.Attempt, without importing jobs
+
+
+def readable_attempts(user, attempt_ids) -> set[int]:
+    """The attempts among `attempt_ids` whose job `user` may see (all of them for staff)."""
+    ids = {pk for pk in attempt_ids if pk}
+    if not ids or user.is_staff:
+        return ids
+    visible = attempt_model().objects.filter(pk__in=ids, job__project__in=Project.objects.visible_to(user))
+    return set(visible.values_list("pk", flat=True))
+
+
+def redacted(evidence: dict) -> dict:
+    out = {key: value for key, value in evidence.items() if key not in OUTPUT_KEYS}
+    if any(key in evidence for key in OUTPUT_KEYS):
+        out["line"] = f"(printed by {OTHER_PROJECT})"
+    out["job"] = OTHER_PROJECT
+    return out
+
+
+def redact(rows, user, evidence_is_dict: bool = True) -> list:
+    """Health events or checks as `user` may see them: others' attempts and output replaced.
+    Sets `other_project` on each row (True where something was hidden); never saved."""
+    rows = list(rows)
+    readable = readable_attempts(user, [row.attempt_id for row in rows])
+    for row in rows:
+        row.other_project = bool(row.attempt_id) and row.attempt_id not in readable
+        if row.other_project:
+            row.attempt_id = None
+            if evidence_is_dict and isinstance(row.evidence, dict):
+                row.evidence = redacted(row.evidence)
+    return rows
+
+
+def redact_history(history, user) -> list:
+    """Cordon history rows: an automatic cordon's evidence names the health event it came from."""
+    from fleet.models import HealthEvent
+
+    history = list(history)
+    event_ids = {(h.detail.get("evidence") or {}).get("health_event") for h in history if isinstance(h.detail, dict)}
+    attempts = dict(HealthEvent.objects.filter(pk__in=event_ids - {None}).values_list("pk", "attempt_id"))
+    readable = readable_attempts(user, attempts.values())
+    for row in history:
+        evidence = row.detail.get("evidence") if isinstance(row.detail, dict) else None
+        attempt_id = attempts.get(evidence.get("health_event")) if isinstance(evidence, dict) else None
+        if attempt_id and attempt_id not in readable:
+            row.detail = {**row.detail, "evidence": redacted(evidence)}
+    return history
