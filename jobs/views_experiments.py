@@ -4,7 +4,7 @@ from django.contrib import messages
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from jobs import reproduce, tracking
+from jobs import jobspec, reproduce, tracking
 from jobs.api.serializers import JobSubmitSerializer
 from jobs.models import JobCost
 from jobs.views import visible_job
@@ -13,7 +13,8 @@ from jobs.views import visible_job
 @require_POST
 def run_again(request, pk: int):
     job = visible_job(request, pk)
-    serializer = JobSubmitSerializer(data=reproduce.clone_data(job), context={"request": request})
+    spec = jobspec.copy_for(job, reproduce.clone_data(job), request.user, None)  # another user's: no secrets
+    serializer = JobSubmitSerializer(data=spec, context={"request": request, "copy_of": job})
     if not serializer.is_valid():
         problems = "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in serializer.errors.items())
         messages.error(request, f"Could not run job {job.pk} again: {problems}")

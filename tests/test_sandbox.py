@@ -18,7 +18,7 @@ from jobs import execution, scheduler
 from jobs.models import AttemptState, Environment, EnvironmentKind, Job, LogLine
 from jobs.sandbox import Bind, Launch, Sandbox, bwrap_argv, gpu_devices, hidden_mounts, isolation, job_uid
 from portal.models import Volume
-from tests.conftest import make_job, make_node
+from tests.conftest import api_client, make_job, make_node
 
 as_root = pytest.mark.skipif(
     os.getuid() != 0 or not shutil.which("bwrap"), reason="a sandbox needs the agent to run as root, and bubblewrap"
@@ -356,3 +356,23 @@ def owned_by(entry, uid: int) -> bool:
         return entry.stat().st_uid == uid and Path(entry.path, "cmdline").read_bytes() != b""
     except OSError:
         return False
+
+
+def test_a_node_reports_its_isolation_and_its_pages_show_when_it_is_less_than_a_sandbox(db, owner):
+    from django.test import Client
+    from django.urls import reverse
+
+    from fleet.agent import Agent
+    from fleet.gpus import detect_provider
+
+    agent = Agent("node-z", detect_provider("node-z", True, "H100", 1), 1.0)
+    agent.isolation = isolation(1000, (200000, 299999), True, True)  # an agent that is not root
+
+    node = agent.register()
+
+    assert node.isolation == "none" and "does not run as root" in node.isolation_reason
+    browser = Client()
+    browser.force_login(owner)
+    for url in (reverse("fleet"), reverse("fleet-node", args=["node-z"])):
+        assert "isolation: none" in browser.get(url).content.decode()
+    assert api_client(owner).get("/api/v1/nodes/node-z/").json()["isolation"] == "none"

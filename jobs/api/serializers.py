@@ -5,6 +5,7 @@ from django.conf import settings
 from django.db import transaction
 from rest_framework import serializers
 
+from jobs import jobspec
 from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
 from jobs.models import Attempt, Environment, Job, JobEvent, priority_class, priority_classes
@@ -15,8 +16,6 @@ SECRET_MASK = "********"
 DATETIME = serializers.DateTimeField()  # formats as the API's datetimes do (ISO 8601, Z for UTC)
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
-RESERVED_ENV_PREFIX = "HANGAR_"
 ARGV_EXAMPLE = '["python", "train.py", "--epochs", "3"]'
 
 
@@ -41,8 +40,8 @@ def check_env_names(env: dict) -> dict:
             raise serializers.ValidationError(
                 f"{key!r} is not a valid variable name; use letters, digits and '_', not starting with a digit"
             )
-        if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
-            raise serializers.ValidationError(f"{key} is set by Hangar for each attempt; remove it from env")
+        if problem := jobspec.env_problem([key]):
+            raise serializers.ValidationError(problem)
     return env
 
 
@@ -125,6 +124,7 @@ class JobSubmitSerializer(serializers.Serializer):
             )
         self.check_capacity(attrs)
         self.check_volumes(attrs)
+        jobspec.check(attrs, self.context)  # container PATH, volume paths, another user's secrets (jobs/jobspec.py)
         attrs["priority"] = self.check_priority(attrs["project"], attrs.get("priority") or "")
         limit = attrs["project"].max_gpus_per_job
         if limit is not None and attrs["gpus_per_node"] * attrs["nodes"] > limit:
