@@ -17,6 +17,7 @@ in turns. Last line: p50_on_ms=... p50_off_ms=... added_p50_ms=... (goal: at mos
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -141,7 +142,37 @@ def sandbox_bench(which: str, count: int) -> None:
     line = " ".join(f"p50_{mode}_ms={p50:.1f} p95_{mode}_ms={p95:.1f}" for mode, (p50, p95) in figures.items())
     if len(figures) == 2:
         line += f" added_p50_ms={figures['on'][0] - figures['off'][0]:.1f}"
+        wrapped, plain = time_wrap(max(count, 50))
+        print(f"the start alone (Popen -> first line), {max(count, 50)} each: bare p50 {plain:.2f} ms, "
+              f"in the sandbox p50 {wrapped:.2f} ms")  # fmt: skip
+        line += f" wrap_added_p50_ms={wrapped - plain:.2f}"
     print(f"jobs={count} {line}")
+
+
+def time_wrap(count: int) -> tuple[float, float]:
+    """What the sandbox adds to a start, without the stack's noise: p50 of Popen -> first line
+    of `echo`, wrapped as the Runner wraps it (its own uid, bubblewrap) and bare."""
+    import subprocess
+
+    from jobs.sandbox import Sandbox, bwrap_argv, tools
+
+    workdir = Path(tempfile.mkdtemp(prefix="hangar-bench-wrap-"))
+    workdir.chmod(0o700)
+    os.chown(workdir, 299999, 299999)
+    found = tools()
+    box = Sandbox(uid=299999, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv, env=found.env)
+    echo = [shutil.which("echo"), "hello"]
+    timings: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(count):
+        for wrapped in (False, True):
+            started = time.perf_counter()
+            proc = subprocess.Popen(bwrap_argv(box, echo) if wrapped else echo, stdout=subprocess.PIPE)
+            proc.stdout.readline()
+            timings[wrapped].append((time.perf_counter() - started) * 1000)
+            proc.wait()
+            proc.stdout.close()
+    shutil.rmtree(workdir)
+    return percentile(timings[True], 50), percentile(timings[False], 50)
 
 
 if __name__ == "__main__":
