@@ -63,6 +63,16 @@ def secrets_message(job_id: int, missing: list[str]) -> str:
     )
 
 
+def network_problem(project, nodes: int) -> str | None:
+    """A project whose jobs get loopback only cannot run ranks on several nodes."""
+    if nodes > 1 and getattr(project, "network", "host") == "none":
+        return (
+            f"asks for {nodes} nodes, but project {project.slug}'s network policy is none (loopback only): "
+            "its ranks could not reach each other; use one node, or ask for network host"
+        )
+    return None
+
+
 def copy_for(job, spec: dict, user, given) -> dict:
     """A resubmit's or run-again's spec (reproduce.clone_data) as `user` may submit it: by
     another user than the submitter, with only the secret values `user` gives."""
@@ -81,6 +91,8 @@ def check(attrs: dict, context: dict) -> None:
 
     from portal.volumes import clean_volume_path
 
+    if (problem := network_problem(attrs["project"], attrs.get("nodes", 1))) is not None:
+        raise ValidationError({"nodes": problem})
     environment = attrs.get("environment")
     container = environment is not None and environment.kind == "container"
     if problem := env_problem([*attrs.get("env", {}), *attrs.get("secret_env", {})], container):

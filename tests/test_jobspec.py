@@ -223,3 +223,13 @@ def test_a_world_readable_secret_key_is_refused_saying_how_to_fix_it(tmp_path):
 
     assert done.returncode != 0
     assert "readable by other users (mode 0644)" in done.stderr and f"chmod 600 {key}" in done.stderr
+
+
+def test_a_multi_node_job_is_refused_where_the_project_has_no_network(roles, gpus):
+    make_node("node-b")
+    roles["lab"].network = "none"
+    roles["lab"].save(update_fields=["network"])
+
+    errors = messages(submit(api_client(roles["member"]), nodes=2))
+
+    assert "network policy is none (loopback only)" in errors["nodes"]

@@ -376,3 +376,22 @@ def test_a_node_reports_its_isolation_and_its_pages_show_when_it_is_less_than_a_
     for url in (reverse("fleet"), reverse("fleet-node", args=["node-z"])):
         assert "isolation: none" in browser.get(url).content.decode()
     assert api_client(owner).get("/api/v1/nodes/node-z/").json()["isolation"] == "none"
+
+
+@as_root
+def test_with_the_sandbox_off_a_job_keeps_its_own_uid_and_reads_none_of_hangars_files(
+    transactional_db, project, owner, sandboxed
+):
+    sandboxed.HANGAR_SANDBOX = False
+    data_dir = sandboxed.DATA_DIR
+    script = f"""
+        id -u
+        ls {data_dir} >/dev/null 2>&1 && echo listed || echo cannot-list
+        cat {data_dir}/secret_key >/dev/null 2>&1 && echo read-key || echo cannot-read-key
+    """
+    job = make_job(project, owner, command=shell(script))
+
+    attempt, lines = run(job)
+
+    assert attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
+    assert str(200000 + job.pk) in lines and "cannot-list" in lines and "cannot-read-key" in lines, lines
