@@ -7,6 +7,8 @@ path (jobs/api/serializers.py, later jobs/submission.py) calls them and says wha
   copy; the names are required again.
 """
 
+import fnmatch
+
 RESERVED_NAMES = {
     "CUDA_VISIBLE_DEVICES": "is set by Hangar for each attempt (the GPUs placed for it)",
     "NVIDIA_VISIBLE_DEVICES": "would choose the GPUs a container sees; Hangar gives each job the GPUs placed for it",
@@ -73,6 +75,14 @@ def network_problem(project, nodes: int) -> str | None:
     return None
 
 
+def image_problem(image: str, allowed: str, project_slug: str) -> str | None:
+    """A container image outside the project's allow-list (one fnmatch pattern a line; empty: any)."""
+    patterns = [line.strip() for line in allowed.splitlines() if line.strip()]
+    if not patterns or any(fnmatch.fnmatchcase(image, pattern) for pattern in patterns):
+        return None
+    return f"image {image} is not among project {project_slug}'s allowed images ({', '.join(patterns)})"
+
+
 def copy_for(job, spec: dict, user, given) -> dict:
     """A resubmit's or run-again's spec (reproduce.clone_data) as `user` may submit it: by
     another user than the submitter, with only the secret values `user` gives."""
@@ -97,6 +107,9 @@ def check(attrs: dict, context: dict) -> None:
     container = environment is not None and environment.kind == "container"
     if problem := env_problem([*attrs.get("env", {}), *attrs.get("secret_env", {})], container):
         raise ValidationError({"env": problem})
+    project = attrs["project"]
+    if container and (problem := image_problem(environment.image, project.allowed_images, project.slug)):
+        raise ValidationError({"environment": problem})
     for index, volume in enumerate(attrs.get("volumes") or []):
         try:
             volume["path"] = clean_volume_path(volume["path"], settings.HANGAR_VOLUME_ROOTS)

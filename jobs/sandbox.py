@@ -298,6 +298,8 @@ def start_checks() -> tuple[str, str]:
 
     isolation_mode, reason = mode()
     announce(isolation_mode, reason)
+    if settings.HANGAR_JOB_USER and isolation_mode != ISOLATION_NONE:
+        log.warning("HANGAR_JOB_USER is ignored: each job runs as a uid of its own (HANGAR_JOB_UID_RANGE)")
     try:
         docker_client(settings.HANGAR_DOCKER)
     except JobUserError as exc:

@@ -83,6 +83,9 @@ class Project(models.Model):
         default="host",
         help_text="What its sandboxed jobs may reach: the host's network (multi-node jobs need it) or loopback only.",
     )
+    allowed_images = models.TextField(
+        blank=True, help_text="Container images its jobs may use, one fnmatch pattern a line; empty: any image."
+    )
 
     objects = ProjectQuerySet.as_manager()
 

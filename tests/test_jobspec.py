@@ -233,3 +233,17 @@ def test_a_multi_node_job_is_refused_where_the_project_has_no_network(roles, gpu
     errors = messages(submit(api_client(roles["member"]), nodes=2))
 
     assert "network policy is none (loopback only)" in errors["nodes"]
+
+
+def test_a_container_image_outside_the_projects_allow_list_is_refused(roles, gpus):
+    for name, image in (("pt", "docker.io/evil/miner"), ("ngc", "nvcr.io/nvidia/pytorch:25.01-py3")):
+        Environment.objects.create(name=name, kind=EnvironmentKind.CONTAINER, image=image, everywhere=True)
+    roles["lab"].allowed_images = "nvcr.io/nvidia/*\n"
+    roles["lab"].save(update_fields=["allowed_images"])
+    client = api_client(roles["member"])
+
+    errors = messages(submit(client, environment="pt"))
+
+    expected = "image docker.io/evil/miner is not among project lab's allowed images (nvcr.io/nvidia/*)"
+    assert expected in errors["environment"]
+    assert submit(client, environment="ngc").status_code == 201
