@@ -395,3 +395,56 @@ def test_with_the_sandbox_off_a_job_keeps_its_own_uid_and_reads_none_of_hangars_
 
     assert attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
     assert str(200000 + job.pk) in lines and "cannot-list" in lines and "cannot-read-key" in lines, lines
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+RANKS = """
+import os, socket, time
+port = int(os.environ["MASTER_PORT"]) + 1
+if os.environ["RANK"] == "0":
+    server = socket.create_server(("0.0.0.0", port))
+    server.settimeout(30)
+    peer, _ = server.accept()
+    peer.sendall(b"hello from rank 0")
+    peer.close()
+    print("rank 0 served", flush=True)
+else:
+    for _ in range(300):
+        try:
+            with socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=1) as s:
+                print("rank 1 got", s.recv(64).decode(), flush=True)
+                break
+        except OSError:
+            time.sleep(0.1)
+"""
+
+
+@as_root
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="needs a python3 that job uids can run")
+def test_the_ranks_of_a_two_node_job_reach_each_other_from_their_sandboxes(
+    transactional_db, project, owner, sandboxed, settings
+):
+    from fleet import agent
+
+    agent.CURRENT = None  # preflight asks this process's agent, if any: none here
+    for name in ("node-a", "node-b"):
+        node = make_node(name, gpus=1, hostname="127.0.0.1")  # two agents on one machine
+        GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    job = make_job(project, owner, command=[SYSTEM_PYTHON, "-c", RANKS], nodes=2, gpus_per_node=1)
+    (attempt,) = scheduler.schedule_pass()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        settings.HANGAR_MASTER_PORT_BASE = probe.getsockname()[1] - attempt.pk % 1000
+
+    threads = [threading.Thread(target=execution.run_attempt, args=(attempt.pk, r)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    lines = lines_of(attempt)
+    assert job.state == "succeeded", (attempt.reason, lines)
+    assert "rank 0 served" in lines and "rank 1 got hello from rank 0" in lines, lines
+    assert job.checkpoint_dir().parent.stat().st_uid == 200000 + job.pk  # both ranks: the job's one uid
