@@ -181,7 +181,7 @@ def prepare_node(data_dir: Path, workdir_root: Path) -> None:
     the job workdir root become 0711; the files in them stay 0600, their other folders 0700."""
     workdir_root.mkdir(parents=True, exist_ok=True)
     for path in [*Path(workdir_root).parents, workdir_root]:
-        if path == data_dir or under(str(path), [str(data_dir)]):
+        if path == workdir_root or under(str(path), [str(data_dir)]):  # Hangar's own folders
             path.chmod(0o711)
         elif not path.stat().st_mode & stat.S_IXOTH:
             raise OSError(f"job uids cannot reach {workdir_root}: chmod o+x {path}, or move HANGAR_JOB_WORKDIR")

@@ -71,12 +71,13 @@ def secs(value: float | None) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack():
     data_dir = tempfile.mkdtemp(prefix="hangar-drills-agents-")  # job uids reach it (pytest's base is root's only)
     with LiveStack(env=FAST, data_dir=data_dir, scheduler=False) as live:
         live.start_scheduler()
         live.start_agent("node-b", gpus=4)
         yield live
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def logs_of(stack: LiveStack, job_id: int) -> list[str]:
@@ -350,12 +351,13 @@ VISIBILITY = 3.0
 
 
 @pytest.fixture(scope="module")
-def services_stack(tmp_path_factory):
+def services_stack():
     services = services_database()
     data_dir = tempfile.mkdtemp(prefix="hangar-drills-services-")
     env = {**FAST, "HANGAR_BROKER_VISIBILITY_TIMEOUT": str(VISIBILITY)}
     with services as urls, LiveStack(env={**urls, **env}, data_dir=data_dir) as live:
         yield live
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def test_drill_5_a_job_longer_than_the_visibility_timeout_starts_once(services_stack):

@@ -16,7 +16,17 @@ from django.utils import timezone
 from fleet.models import GPU
 from jobs import execution, scheduler
 from jobs.models import AttemptState, Environment, EnvironmentKind, Job, LogLine
-from jobs.sandbox import Bind, Launch, Sandbox, bwrap_argv, gpu_devices, hidden_mounts, isolation, job_uid
+from jobs.sandbox import (
+    Bind,
+    Launch,
+    Sandbox,
+    bwrap_argv,
+    gpu_devices,
+    hidden_mounts,
+    isolation,
+    job_uid,
+    prepare_node,
+)
 from portal.models import Volume
 from tests.conftest import api_client, make_job, make_node
 
@@ -121,6 +131,24 @@ def test_the_isolation_a_node_reports(euid, uid_range, sandbox_on, bwrap_found, 
 
     assert mode == expected
     assert bool(reason) == (expected != "sandbox")
+
+
+def test_the_data_directory_becomes_searchable_but_not_listable_for_job_uids(public_dir):
+    data_dir = public_dir / "var"
+    data_dir.mkdir(mode=0o700)
+
+    prepare_node(data_dir, data_dir / "jobs")
+
+    assert [p.stat().st_mode & 0o777 for p in (data_dir, data_dir / "jobs")] == [0o711, 0o711]
+
+
+def test_a_workdir_root_job_uids_cannot_reach_is_refused_saying_what_to_chmod(public_dir):
+    private = public_dir / "private"
+    private.mkdir()
+    private.chmod(0o700)
+
+    with pytest.raises(OSError, match=f"job uids cannot reach {private}/jobs: chmod o\\+x {private}"):
+        prepare_node(public_dir / "var", private / "jobs")
 
 
 def test_bwraps_exit_code_for_a_signal_is_the_signal_again():
