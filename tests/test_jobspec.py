@@ -247,3 +247,10 @@ def test_a_container_image_outside_the_projects_allow_list_is_refused(roles, gpu
     expected = "image docker.io/evil/miner is not among project lab's allowed images (nvcr.io/nvidia/*)"
     assert expected in errors["environment"]
     assert submit(client, environment="ngc").status_code == 201
+
+
+def test_a_projects_network_policy_shows_in_the_api_and_is_not_changed_through_it(roles):
+    client = api_client(roles["admin"])
+
+    assert client.get("/api/v1/projects/lab/").json()["network"] == "host"
+    assert client.patch("/api/v1/projects/lab/", {"network": "none"}, format="json").status_code == 405

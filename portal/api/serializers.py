@@ -11,7 +11,8 @@ class ProjectSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Project
-        fields = ["slug", "name", "created_at", "role"]
+        fields = ["slug", "name", "created_at", "role", "network"]
+        read_only_fields = ["network"]  # set by site admins (README, Security model)
 
 
 class MembershipSerializer(serializers.ModelSerializer):
