@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: start test bench drills chromium
+.PHONY: start test bench drills chromium bubblewrap
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +20,17 @@ chromium:
 	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
+# Job sandboxes are Debian's bubblewrap (bwrap); as root, install it if missing.
+bubblewrap:
+	@command -v bwrap >/dev/null || [ "$$(id -u)" != 0 ] || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null)
+
 ## start: install what is missing, migrate, and run web + scheduler + a node agent (Ctrl-C stops)
-start: $(VENV)/.runtime
+start: $(VENV)/.runtime bubblewrap
 	$(PY) manage.py up
 
 ## test: install what the tests need and run the whole suite (lint, migrations check, pytest)
-test: $(VENV)/.test chromium
+test: $(VENV)/.test chromium bubblewrap
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
@@ -37,5 +42,5 @@ bench: $(VENV)/.test
 	for script in bench/*.py; do $(PY) $$script --quick || exit 1; done
 
 ## drills: the reliability drills alone, printing their figures (they also run in `make test`)
-drills: $(VENV)/.test
+drills: $(VENV)/.test bubblewrap
 	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) -m pytest -m e2e tests/test_drills_agents.py tests/test_drills_services.py -s -q

@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import pwd
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,35 @@ def warn_if_root() -> None:
         log.warning("the agent runs as root and HANGAR_JOB_USER is unset: jobs run as root; set HANGAR_JOB_USER")
 
 
+def uid_user(uid: int) -> JobUser:
+    """A job's own uid from HANGAR_JOB_UID_RANGE: no passwd entry, its own group, no others."""
+    return JobUser(f"job-{uid}", uid, uid, (), "")
+
+
+def is_container(job: Job) -> bool:
+    return job.environment is not None and job.environment.kind == EnvironmentKind.CONTAINER
+
+
+@functools.cache
+def docker_client(configured: str) -> str:
+    """The docker client, looked up once with the agent's own PATH: never with a job's, whose
+    PATH would choose which program the agent runs (as root)."""
+    found = shutil.which(configured, path=os.environ.get("PATH", os.defpath))
+    if found is None:
+        raise JobUserError(f"HANGAR_DOCKER={configured!r} is not on the agent's PATH; install docker or set its path")
+    return os.path.abspath(found)
+
+
+def client_env(env: dict[str, str]) -> dict[str, str]:
+    """The docker client's own environment: the job's variables (passed on by name) with the
+    agent's PATH, and no variable that changes what the client loads or which engine it talks to."""
+    kept = {k: v for k, v in env.items() if not k.startswith(("DOCKER_", "LD_")) and k not in ("PATH", "HOME")}
+    agent = {k: v for k, v in os.environ.items() if k.startswith("DOCKER_")}  # the agent's engine, if it set one
+    # HOME too: the client reads $HOME/.docker/config.json, whose helpers and plugins it runs.
+    home = {"HOME": os.environ["HOME"]} if "HOME" in os.environ else {}
+    return {**kept, **agent, **home, "PATH": os.environ.get("PATH", os.defpath)}
+
+
 def popen_user(job: Job, user: JobUser | None) -> dict:
     """subprocess.Popen's arguments that drop to the job user. A container's docker client
     stays the agent's (it needs the docker socket); `docker run --user` drops instead."""
@@ -98,7 +128,9 @@ def command_for(job: Job, env: dict[str, str], gpus: list[int], workdir: Path, n
         return list(job.command), env
     if environment.kind == EnvironmentKind.CONTAINER:
         names = sorted(k for k in env if k not in HOST_ONLY)
-        return docker_argv(environment.image, job.command, names, gpus, workdir, name, user), env
+        network = getattr(job.project, "network", "host")
+        argv = docker_argv(environment.image, job.command, names, gpus, workdir, name, user, job.volumes, network)
+        return argv, client_env(env)
     if environment.path:
         prefix = Path(environment.path)
         env = {**env, "PATH": f"{prefix / 'bin'}:{env.get('PATH', '')}", "VIRTUAL_ENV": str(prefix)}
@@ -113,19 +145,28 @@ def docker_argv(
     workdir: Path,
     name: str,
     user: JobUser | None = None,
+    volumes: list[dict] = (),
+    network: str = "host",
+    docker: str | None = None,
 ):
     """`docker run` for one rank: its GPUs only, the host network (ranks reach each
-    other as on the host), the job's directory (checkpoints included) mounted at the
-    same path. Variables go by name (`-e NAME`), so their values, secrets included,
+    other as on the host) unless the project's policy is none, the job's directory
+    (checkpoints included) and its volumes (ro or rw, as declared) mounted at the same
+    path, and nothing else; always as a non-root `--user`, never --privileged.
+    Variables go by name (`-e NAME`), so their values, secrets included,
     never appear on a command line; the docker client passes them from its environment."""
-    argv = [settings.HANGAR_DOCKER, "run", "--rm", "--name", name, "--init"]
+    argv = [docker or docker_client(settings.HANGAR_DOCKER), "run", "--rm", "--name", name, "--init"]
     if gpus:
         # The quotes are part of the value: docker reads --gpus as CSV, and the device list has commas.
         argv += ["--gpus", '"device={}"'.format(",".join(str(g) for g in gpus))]
-    argv += ["--network", "host", "--ipc", "host", "-v", f"{workdir}:{workdir}", "-w", str(workdir)]
-    if user is not None:
-        argv += ["--user", f"{user.uid}:{user.gid}"]
-        argv += [a for g in user.groups if g != user.gid for a in ("--group-add", str(g))]
+    argv += ["--network", "none" if network == "none" else "host", "--ipc", "private"]
+    argv += ["--security-opt", "no-new-privileges", "-v", f"{workdir}:{workdir}", "-w", str(workdir)]
+    for volume in volumes:
+        path = os.path.normpath(volume["path"])
+        argv += ["-v", f"{path}:{path}:{'rw' if volume.get('mode') == 'rw' else 'ro'}"]
+    uid, gid, groups = (user.uid, user.gid, user.groups) if user is not None else (os.getuid(), os.getgid(), ())
+    argv += ["--user", f"{uid}:{gid}"]
+    argv += [a for g in groups if g != gid for a in ("--group-add", str(g))]
     for key in env_names:
         argv += ["-e", key]
     return [*argv, image, *command]

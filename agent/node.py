@@ -44,6 +44,8 @@ class Agent:
         self.previous: dict[int, GpuSample] = {}
         self.silent_until = 0.0
         self.next_compact = 0.0
+        # (mode, reason) the agent command found at start: shown as a badge on the node and fleet pages.
+        self.isolation: tuple[str, str] = ("none", "")
 
     def register(self, accept_inventory: bool = False) -> Node:
         """Create or update this node and its GPUs from the provider's inventory.
@@ -68,6 +70,8 @@ class Agent:
                     "gpu_count": len(inventory) + len(vanished),
                     "simulated": self.provider.simulated,
                     "last_heartbeat_at": timezone.now(),
+                    "isolation": self.isolation[0],
+                    "isolation_reason": self.isolation[1],
                 },
             )
             node.gpus.exclude(index__in=listed + vanished).delete()

@@ -28,7 +28,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import environments, running, watch
+from agent import environments, running, sandbox, watch
 from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
@@ -126,6 +126,7 @@ class Runner:
         self.lines: queue.Queue = queue.Queue(maxsize=LINE_QUEUE_READS)
         self.writer = LogWriter(attempt, self.lines, rank=rank, node_id=self.node.pk)
         self.proc: subprocess.Popen | None = None
+        self.launch: sandbox.Launch | None = None
         self.reaper: subprocess.Popen | None = None
         self.keeping_lease: threading.Event | None = None
         self.stop_requested: Outcome | None = None
@@ -294,11 +295,18 @@ class Runner:
         return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
 
     def start_process(self) -> subprocess.Popen:
-        user = environments.job_user()  # HANGAR_JOB_USER, or None: the agent's own user
-        environments.prepare_workdir(self.workdir(), self.job.checkpoint_dir(), user)
+        container = environments.is_container(self.job)
+        # The job's own uid (and bubblewrap sandbox), or None: the node isolates nothing (agent/sandbox.py).
+        self.launch = sandbox.launch_for(self.job, self.gpus, self.workdir(), not self.node.simulated, container)
+        user = environments.job_user() if self.launch is None else environments.uid_user(self.launch.uid)
+        if self.launch is None:
+            environments.prepare_workdir(self.workdir(), self.job.checkpoint_dir(), user)
         argv, env = environments.command_for(
             self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}", user
         )
+        if self.launch is not None and not container:
+            argv, env = self.launch.wrap(argv, env, self.workdir())
+        popen_user = environments.popen_user(self.job, user) if self.launch is None else self.launch.popen_user()
         proc = subprocess.Popen(
             argv,
             env=env,
@@ -309,7 +317,7 @@ class Runner:
             start_new_session=True,  # its own process group, so cancel reaches every child
             # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG.
             preexec_fn=job_preexec(settings.HANGAR_JOB_MEMORY_LIMIT_MB),
-            **environments.popen_user(self.job, user),
+            **(popen_user if not container else {}),
         )
         self.reaper = start_reaper(proc.pid)
         lines = MaskedLines(self.lines, list(self.job.secret_env.values()))
@@ -338,7 +346,8 @@ class Runner:
             if self.stop_requested is not None or not self.current:
                 return self.terminate()
             time.sleep(WATCH_SECONDS)
-        return self.exited(self.proc.returncode)
+        code = self.proc.returncode
+        return self.exited(code if self.launch is None else self.launch.returncode(code))
 
     def poll_attempt(self, renew: bool = True) -> bool:
         """Look for a cancel or preemption and, when `renew`, renew the lease. The renewal

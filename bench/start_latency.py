@@ -5,14 +5,19 @@ at a time, submits jobs that print one line and exit, and times submit -> first
 line stored in the database. In the same run it times a bare Celery task round
 trip through the same broker to the same agent, the floor any dispatch pays.
 
-    python bench/start_latency.py [--quick] [--jobs N]
+    python bench/start_latency.py [--quick] [--jobs N] [--sandbox both|on|off]
 
 Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
 Last line: mode=... p50_ms=... p95_ms=... celery_p50_ms=... ratio=...
+
+With --sandbox both (as root, with bubblewrap) one stack runs two agents, one that
+sandboxes its jobs (own uid, bubblewrap) and one that does not, and times their jobs
+in turns. Last line: p50_on_ms=... p50_off_ms=... added_p50_ms=... (goal: at most 15).
 """
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -27,13 +32,13 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
-def time_jobs(stack, count: int, submits: list[float] | None = None) -> list[float]:
+def time_jobs(stack, count: int, submits: list[float] | None = None, **fields) -> list[float]:
     from jobs.models import LogLine, Stream
 
     timings = []
     for _ in range(count):
         started = time.perf_counter()
-        job = stack.submit(["echo", "hello"], name="latency")
+        job = stack.submit(["echo", "hello"], name="latency", **fields)
         if submits is not None:
             submits.append((time.perf_counter() - started) * 1000)
         while not LogLine.objects.filter(job_id=job["id"], stream=Stream.STDOUT).exists():
@@ -58,8 +63,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10 jobs instead of 50")
     parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument(
+        "--sandbox", choices=["both", "on", "off"], default=None, help="time jobs with the job sandbox on, off or both"
+    )
     args = parser.parse_args()
     count = args.jobs or (10 if args.quick else 50)
+    if args.sandbox is not None:
+        return sandbox_bench(args.sandbox, count)
 
     data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
     os.environ["HANGAR_DATA_DIR"] = data_dir
@@ -89,6 +99,77 @@ def main() -> None:
         f"mode={mode} jobs={count} p50_ms={p50:.1f} p95_ms={p95:.1f} "
         f"celery_p50_ms={c50:.1f} celery_p95_ms={c95:.1f} ratio={p50 / c50:.2f}"
     )
+
+
+SANDBOX_ENV = {
+    "on": {"HANGAR_SANDBOX": "on", "HANGAR_JOB_UID_RANGE": "200000-299999"},
+    "off": {"HANGAR_SANDBOX": "off", "HANGAR_JOB_UID_RANGE": "off"},
+}
+MODEL = {"off": "H100", "on": "H200"}  # each agent's simulated GPUs: a job's gpu_type picks its agent
+
+
+def sandbox_bench(which: str, count: int) -> None:
+    """Jobs on a sandboxing agent and on a plain one, timed in turns in one stack."""
+    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
+    os.environ["HANGAR_DATA_DIR"] = data_dir
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    from tests.livestack import LiveStack
+
+    modes = ["off", "on"] if which == "both" else [which]
+    with LiveStack(data_dir=data_dir, env={**SANDBOX_ENV["off"], "HANGAR_SIM_GPU_MODEL": MODEL["off"]}) as stack:
+        base = stack.env
+        if "on" in modes:
+            stack.env = {**base, **SANDBOX_ENV["on"]}
+            stack.start_agent("node-sandbox", gpus=1, model=MODEL["on"])
+            stack.env = base
+        timings: dict[str, list[float]] = {mode: [] for mode in modes}
+        for mode in modes:  # warm up: imports, connections, the page cache of bwrap
+            time_jobs(stack, 2, gpu_type=MODEL[mode])
+        for _ in range(count):
+            for mode in modes:
+                timings[mode] += time_jobs(stack, 1, gpu_type=MODEL[mode])
+        isolation = {n["name"]: n["isolation"] for n in stack.api("GET", "/api/v1/nodes/").json()["results"]}
+    print(f"nodes' isolation: {isolation}")
+    figures = {mode: (percentile(t, 50), percentile(t, 95)) for mode, t in timings.items()}
+    for mode, (p50, p95) in figures.items():
+        print(f"sandbox {mode}: submit -> first log line stored, {count} jobs: p50 {p50:.1f} ms, p95 {p95:.1f} ms")
+    line = " ".join(f"p50_{mode}_ms={p50:.1f} p95_{mode}_ms={p95:.1f}" for mode, (p50, p95) in figures.items())
+    if len(figures) == 2:
+        line += f" added_p50_ms={figures['on'][0] - figures['off'][0]:.1f}"
+        wrapped, plain = time_wrap(max(count, 50))
+        print(f"the start alone (Popen -> first line), {max(count, 50)} each: bare p50 {plain:.2f} ms, "
+              f"in the sandbox p50 {wrapped:.2f} ms")  # fmt: skip
+        line += f" wrap_added_p50_ms={wrapped - plain:.2f}"
+    print(f"jobs={count} {line}")
+
+
+def time_wrap(count: int) -> tuple[float, float]:
+    """What the sandbox adds to a start, without the stack's noise: p50 of Popen -> first line
+    of `echo`, wrapped as the Runner wraps it (its own uid, bubblewrap) and bare."""
+    import subprocess
+
+    from agent.sandbox import Sandbox, bwrap_argv, tools
+
+    workdir = Path(tempfile.mkdtemp(prefix="hangar-bench-wrap-"))
+    workdir.chmod(0o700)
+    os.chown(workdir, 299999, 299999)
+    found = tools()
+    box = Sandbox(uid=299999, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv, env=found.env)
+    echo = [shutil.which("echo"), "hello"]
+    timings: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(count):
+        for wrapped in (False, True):
+            started = time.perf_counter()
+            proc = subprocess.Popen(bwrap_argv(box, echo) if wrapped else echo, stdout=subprocess.PIPE)
+            proc.stdout.readline()
+            timings[wrapped].append((time.perf_counter() - started) * 1000)
+            proc.wait()
+            proc.stdout.close()
+    shutil.rmtree(workdir)
+    return percentile(timings[True], 50), percentile(timings[False], 50)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ class Node(models.Model):
     auto_cordoned = models.BooleanField(
         default=False, help_text="Cordoned by a health check or event: uncordoning runs a burn-in first."
     )
+    # What its agent reported at start (agent/sandbox.py): sandbox, uid (own uid, no bubblewrap) or none.
+    isolation = models.CharField(
+        max_length=16, default="none", help_text="sandbox, uid or none, as its agent reported."
+    )
+    isolation_reason = models.TextField(blank=True, help_text="Why isolation is less than a sandbox.")
 
     objects = NodeQuerySet.as_manager()
 

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from rest_framework.exceptions import ValidationError
 
-from jobs import dependencies
+from jobs import dependencies, jobspec
 from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
 from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
@@ -30,8 +30,9 @@ class Submitted:
     warnings: list[str] = field(default_factory=list)
 
 
-def submit_job(user, spec: dict) -> Submitted:
-    """Check `spec` (JobSubmitSerializer's validated data) for `user`, then create the job."""
+def submit_job(user, spec: dict, copy_of: Job | None = None) -> Submitted:
+    """Check `spec` (JobSubmitSerializer's validated data) for `user`, then create the job.
+    `copy_of`: the job a resubmit or run-again copies (its secrets are not another user's to reuse)."""
     project = project_for(user, spec["project"])
     checked = {
         **spec,
@@ -42,6 +43,7 @@ def submit_job(user, spec: dict) -> Submitted:
         "depends_on": checked_dependencies(user, project, spec.get("depends_on") or []),
     }
     check_capacity(spec["gpus_per_node"], spec["nodes"], spec.get("gpu_type", ""))
+    jobspec.check(checked, user, copy_of)  # container PATH and image, volume paths, network, copied secrets
     check_gpu_limit(project, spec["gpus_per_node"] * spec["nodes"])
     warnings = [w for w in [check_budget(project)] if w]
     return Submitted(create(user, checked), warnings)

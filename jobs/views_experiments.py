@@ -5,7 +5,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
-from jobs import reproduce, tracking
+from jobs import jobspec, reproduce, tracking
 from jobs.api.serializers import JobSubmitSerializer
 from jobs.models import JobCost
 from jobs.views import visible_job
@@ -15,7 +15,8 @@ from portal.api.shape import flatten
 @require_POST
 def run_again(request, pk: int):
     job = visible_job(request, pk)
-    serializer = JobSubmitSerializer(data=reproduce.clone_data(job), context={"request": request})
+    spec = jobspec.copy_for(job, reproduce.clone_data(job), request.user, None)  # another user's: no secrets
+    serializer = JobSubmitSerializer(data=spec, context={"request": request, "copy_of": job})
     try:
         serializer.is_valid(raise_exception=True)
         clone = serializer.save()

@@ -77,6 +77,15 @@ class Project(models.Model):
     max_member_priority = models.CharField(
         max_length=32, default="high", help_text="Highest class a member may ask for; managers may ask for any."
     )
+    network = models.CharField(
+        max_length=8,
+        choices=[("host", "host"), ("none", "none (loopback only)")],
+        default="host",
+        help_text="What its sandboxed jobs may reach: the host's network (multi-node jobs need it) or loopback only.",
+    )
+    allowed_images = models.TextField(
+        blank=True, help_text="Container images its jobs may use, one fnmatch pattern a line; empty: any image."
+    )
 
     objects = ProjectQuerySet.as_manager()
 

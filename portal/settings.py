@@ -65,22 +65,44 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+# Hangar's own files are its own: every file and folder it creates is private to its user
+# (the database, the secret key, spool, broker, MLflow store); jobs run as other uids.
+os.umask(0o077)
 DATA_DIR = Path(env_str("HANGAR_DATA_DIR", str(BASE_DIR / "var"))).resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True)
+DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def _secret_key() -> str:
-    """Use HANGAR_SECRET_KEY, else a key generated once and kept in the data directory."""
+    """Use HANGAR_SECRET_KEY, else a key generated once and kept in the data directory
+    (0600; one readable by others is refused: every stored secret's key derives from it)."""
     if key := env_str("HANGAR_SECRET_KEY"):
         return key
     path = DATA_DIR / "secret_key"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(50))
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ImproperlyConfigured(
+            f"{path} is readable by other users (mode {mode:04o}): every stored secret's key derives from it. "
+            f"Run `chmod 600 {path}` (and `chmod 700 {DATA_DIR}`), then start again"
+        )
     return path.read_text().strip()
 
 
 SECRET_KEY = _secret_key()
+
+
+def _private_files(root: Path) -> None:
+    """Files left readable by others by an older Hangar (the database, the MLflow store) become 0600."""
+    for entry in os.scandir(root):
+        if entry.is_file(follow_symlinks=False) and entry.stat().st_uid == os.geteuid():
+            if entry.stat().st_mode & 0o077:
+                os.chmod(entry.path, 0o600)
+
+
+_private_files(DATA_DIR)
 DEBUG = env_bool("HANGAR_DEBUG", False)
 ALLOWED_HOSTS = env_list("HANGAR_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("HANGAR_CSRF_TRUSTED_ORIGINS", [])
@@ -432,6 +454,30 @@ HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 # The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run
 # the jobs' programs; the agent makes each job's directory its own (agent/environments.py).
 HANGAR_JOB_USER = env_str("HANGAR_JOB_USER")
+
+
+def env_uid_range(name: str, default: str) -> tuple[int, int] | None:
+    """`low-high` (inclusive), or `off` (None: jobs run as the agent's user or HANGAR_JOB_USER)."""
+    raw = env_str(name, default).strip()
+    if raw.lower() == "off":
+        return None
+    low, sep, high = raw.partition("-")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()) or not 0 < int(low) <= int(high) < 2**32 - 1:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a uid range like 200000-299999 (or off)")
+    return int(low), int(high)
+
+
+# Sandboxing (agent/sandbox.py, README "Security model"). An agent running as root runs every
+# job as a uid of its own from this range (the same for every attempt; no passwd entry needed)
+# and, with HANGAR_SANDBOX on, inside bubblewrap namespaces that show it only its own files.
+HANGAR_JOB_UID_RANGE = env_uid_range("HANGAR_JOB_UID_RANGE", "200000-299999")
+HANGAR_SANDBOX = env_bool("HANGAR_SANDBOX", True)
+# Directories volumes may live in (comma-separated absolute paths); empty: any absolute path.
+# A sandboxed job sees none of them but the volumes it mounts, as it mounted them (ro or rw).
+HANGAR_VOLUME_ROOTS = [os.path.normpath(p) for p in env_list("HANGAR_VOLUME_ROOTS", [])]
+for _root in HANGAR_VOLUME_ROOTS:
+    if not _root.startswith("/"):
+        raise ImproperlyConfigured(f"HANGAR_VOLUME_ROOTS: {_root!r} is not an absolute path")
 
 
 # Fernet keys for job secrets, comma-separated: the first encrypts, all decrypt (then a

@@ -7,6 +7,17 @@ import pytest
 from portal.models import Role
 from tests.factories import make_node, make_project, make_user
 
+# The suite's jobs run as the test's own user, unsandboxed (its interpreter may be out of
+# other uids' reach); tests/test_sandbox.py and the agent drills turn isolation on.
+os.environ.setdefault("HANGAR_SANDBOX", "off")
+os.environ.setdefault("HANGAR_JOB_UID_RANGE", "off")
+
+
+@pytest.fixture(autouse=True)
+def no_isolation_unless_asked(settings):
+    settings.HANGAR_SANDBOX = os.environ["HANGAR_SANDBOX"] not in ("off", "0", "false", "no")
+    settings.HANGAR_JOB_UID_RANGE = None if os.environ["HANGAR_JOB_UID_RANGE"] == "off" else (200000, 299999)
+
 
 @pytest.fixture(autouse=True)
 def fresh_cache():

@@ -27,7 +27,7 @@ def sim_agent(db):
 
 
 class FakeRunner:
-    """Stands in for jobs.execution.Runner: what the agent touches of it."""
+    """Stands in for agent.runner.Runner: what the agent touches of it."""
 
     def __init__(self, attempt):
         self.attempt = attempt

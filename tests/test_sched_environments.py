@@ -1,39 +1,54 @@
 """Environments: where a job may run and the command line its rank starts with."""
 
+import os
+import shutil
 from pathlib import Path
 
-from agent.environments import command_for, docker_argv
+from agent.environments import JobUser, command_for, docker_argv
 from agent.runner import rank_env
 from jobs.models import Attempt, Environment, EnvironmentKind
 from tests.factories import make_job, make_node
 
 
 def test_the_docker_command_line_for_a_rank():
+    user = JobUser("job-200007", 200007, 200007, (), "")
+    volumes = [
+        {"name": "imagenet", "path": "/data/imagenet", "mode": "ro"},
+        {"name": "out", "path": "/out/", "mode": "rw"},
+    ]
     argv = docker_argv("nvcr.io/nvidia/pytorch:25.01-py3", ["python", "train.py", "--lr", "1e-4"],
-                       ["HANGAR_JOB_ID", "WANDB_API_KEY"], [2, 3], Path("/data/jobs/7"), "hangar-70-1")  # fmt: skip
+                       ["HANGAR_JOB_ID", "WANDB_API_KEY"], [2, 3], Path("/data/jobs/7"), "hangar-70-1",
+                       user, volumes, "host", docker="/usr/bin/docker")  # fmt: skip
 
     assert argv == [
-        "docker", "run", "--rm", "--name", "hangar-70-1", "--init",
+        "/usr/bin/docker", "run", "--rm", "--name", "hangar-70-1", "--init",
         "--gpus", '"device=2,3"',
-        "--network", "host", "--ipc", "host",
+        "--network", "host", "--ipc", "private", "--security-opt", "no-new-privileges",
         "-v", "/data/jobs/7:/data/jobs/7", "-w", "/data/jobs/7",
+        "-v", "/data/imagenet:/data/imagenet:ro", "-v", "/out:/out:rw",
+        "--user", "200007:200007",
         "-e", "HANGAR_JOB_ID", "-e", "WANDB_API_KEY",
         "nvcr.io/nvidia/pytorch:25.01-py3", "python", "train.py", "--lr", "1e-4",
     ]  # fmt: skip
 
 
-def test_a_container_job_passes_variables_by_name_never_their_values(project, owner):
+def test_a_container_job_passes_variables_by_name_never_their_values(project, owner, settings):
+    settings.HANGAR_DOCKER = "sh"  # any program on the agent's PATH stands in for the client
     image = Environment.objects.create(name="pt", kind=EnvironmentKind.CONTAINER, image="pytorch:latest")
     job = make_job(project, owner, environment=image)
-    env = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0", "SECRET": "hunter2", "RANK": "0"}
+    env = {"PATH": "/job/bin", "CUDA_VISIBLE_DEVICES": "0", "SECRET": "hunter2", "RANK": "0", "LD_PRELOAD": "/x.so"}
 
     argv, passed = command_for(job, env, [0], Path("/w"), "hangar-1-0")
 
-    assert argv[:2] == ["docker", "run"] and argv[-3:] == ["pytorch:latest", "python", "train.py"]
+    assert argv[0] == shutil.which("sh", path=os.environ["PATH"]) and argv[1] == "run"  # found with the agent's PATH
+    assert argv[-3:] == ["pytorch:latest", "python", "train.py"]
     assert "hunter2" not in " ".join(argv)
     assert ["-e", "RANK"] == argv[argv.index("RANK") - 1 : argv.index("RANK") + 1]
     assert "PATH" not in argv and "CUDA_VISIBLE_DEVICES" not in argv  # the container sees only its GPUs
-    assert passed == env  # the docker client hands the values over
+    assert "--privileged" not in argv and argv[argv.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
+    # The docker client hands the values over, with the agent's PATH and nothing that changes what it loads.
+    assert passed["SECRET"] == "hunter2" and passed["RANK"] == "0"
+    assert passed["PATH"] == os.environ["PATH"] and "LD_PRELOAD" not in passed
 
 
 def test_a_host_environment_puts_its_prefix_first_on_path(project, owner):

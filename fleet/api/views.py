@@ -31,6 +31,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "gpu_model",
             "gpu_count",
             "simulated",
+            "isolation",
+            "isolation_reason",
             "last_heartbeat_at",
             "gpus",
         ]

@@ -3,6 +3,7 @@ import re
 
 from rest_framework import serializers
 
+from jobs import jobspec
 from jobs.models import Attempt, Job
 from jobs.submission import submit_job
 from portal.models import VolumeMode
@@ -11,8 +12,6 @@ SECRET_MASK = "********"
 DATETIME = serializers.DateTimeField()  # formats as the API's datetimes do (ISO 8601, Z for UTC)
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
-RESERVED_ENV_PREFIX = "HANGAR_"
 ARGV_EXAMPLE = '["python", "train.py", "--epochs", "3"]'
 
 
@@ -75,8 +74,8 @@ def check_env_names(env: dict) -> dict:
             raise serializers.ValidationError(
                 f"{key!r} is not a valid variable name; use letters, digits and '_', not starting with a digit"
             )
-        if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
-            raise serializers.ValidationError(f"{key} is set by Hangar for each attempt; remove it from env")
+        if problem := jobspec.env_problem([key]):
+            raise serializers.ValidationError(problem)
     return env
 
 
@@ -194,7 +193,7 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def save(self, **kwargs) -> Job:
         """Submit the checked request as the request's user (jobs/submission.py decides and creates)."""
-        submitted = submit_job(self.context["request"].user, self.validated_data)
+        submitted = submit_job(self.context["request"].user, self.validated_data, self.context.get("copy_of"))
         self.warnings = submitted.warnings
         self.instance = submitted.job
         return submitted.job

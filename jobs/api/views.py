@@ -10,7 +10,7 @@ from rest_framework.exceptions import APIException, PermissionDenied
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from jobs import reproduce
+from jobs import jobspec, reproduce
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState, priority_classes
 from jobs.scheduler import queue_report
@@ -109,10 +109,13 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     @extend_schema(request=None, responses={201: JobSerializer})
     @action(detail=True, methods=["post"])
     def resubmit(self, request, pk=None):
-        """Submit the same job again (command, env, secrets, volumes, resources) as a new job."""
+        """Submit the same job again (command, env, secrets, volumes, resources) as a new job.
+        By another user than its submitter the secrets' values are not copied: give them as
+        {"secret_env": {NAME: value}}; the resubmit is refused until every one is given."""
         job = self.get_object()
-        spec = reproduce.clone_data(job)
-        submit = JobSubmitSerializer(data=spec, context={"request": request})
+        given = request.data.get("secret_env") if isinstance(request.data, dict) else None
+        spec = jobspec.copy_for(job, reproduce.clone_data(job), request.user, given)  # another user's: no secrets
+        submit = JobSubmitSerializer(data=spec, context={"request": request, "copy_of": job})
         submit.is_valid(raise_exception=True)
         return Response(JobSerializer(submit.save(), context={"created": True}).data, status=status.HTTP_201_CREATED)
 

@@ -1,7 +1,9 @@
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from portal.models import ApiToken, AuditEvent, Membership, Project, Role, Volume
+from portal.volumes import clean_volume_path
 
 
 class ProjectSerializer(serializers.ModelSerializer):
@@ -9,7 +11,8 @@ class ProjectSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Project
-        fields = ["slug", "name", "created_at", "role"]
+        fields = ["slug", "name", "created_at", "role", "network"]
+        read_only_fields = ["network"]  # set by site admins (README, Security model)
 
 
 class MembershipSerializer(serializers.ModelSerializer):
@@ -44,9 +47,10 @@ class VolumeSerializer(serializers.ModelSerializer):
         fields = ["name", "path", "version", "read_role", "write_role", "env_name"]
 
     def validate_path(self, path: str) -> str:
-        if not path.startswith("/"):
-            raise serializers.ValidationError(f"{path!r} is relative; give an absolute path such as /data/imagenet")
-        return path
+        try:
+            return clean_volume_path(path, settings.HANGAR_VOLUME_ROOTS)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc))
 
 
 class TokenSerializer(serializers.ModelSerializer):

@@ -5,7 +5,7 @@ from celery.signals import worker_shutting_down
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import runner, tasks  # noqa: F401  (tasks: registers what this worker consumes)
+from agent import runner, sandbox, tasks  # noqa: F401  (tasks: registers what this worker consumes)
 from agent.node import Agent, default_node_name
 from fleet.gpus import SIMULATED_MODELS, detect_provider
 from jobs.models import Environment
@@ -43,9 +43,12 @@ class Command(BaseCommand):
         if sim_gpus < 1:
             raise CommandError("--sim-gpus must be at least 1")
         agent = Agent(node, detect_provider(node, simulate, sim_model, sim_gpus), settings.HANGAR_HEARTBEAT_SECONDS)
+        agent.isolation = sandbox.start_checks()  # bwrap, setpriv, the docker client: found once, with our PATH
         registered = agent.register(accept_inventory=accept_inventory)
         kind = "simulated" if registered.simulated else "NVML"
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
+        if agent.isolation[1]:
+            self.stderr.write(f"WARNING: isolation: {agent.isolation[0]}: {agent.isolation[1]}")
         names = [n.strip() for n in environments.split(",") if n.strip()]
         if unknown := Environment.advertise(registered, names):
             self.stderr.write(f"unknown environments ignored: {', '.join(unknown)} (define them in the admin)")

@@ -1,0 +1,307 @@
+"""One sandbox per job: its own uid, and its own user, PID, IPC and mount namespaces (bubblewrap).
+
+Everything that decides is a plain function over plain data (`job_uid`, `bwrap_argv`,
+`gpu_devices`, `isolation`), table-tested in tests/test_sandbox.py without a database;
+the Runner (agent/runner.py) gathers the data and starts what `wrap` returns.
+
+How the sandbox is built, and why in this order (see TRAPS.md):
+- the agent (root) drops to the job's uid with setpriv first, and bwrap then makes its
+  namespaces unprivileged: bwrap started as root would map the job to root;
+- bwrap resolves every bind source as the job's uid, so the path to the job's directory
+  must be searchable by it (`prepare_node` makes the data directory 0711, its files 0600);
+- the outer bwrap dies on SIGTERM and takes the sandbox with it, so it is started with
+  SIGTERM ignored and the command gets it back (`env --default-signal`): a cancel or a
+  preemption reaches the job's processes through the process group, with their grace period;
+- bwrap's pid 1 ends every process of the sandbox when the command exits, and
+  --die-with-parent replaces the PDEATHSIG that the uid change clears.
+"""
+
+import functools
+import logging
+import os
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("hangar.agent")
+
+# Always bound on a node with real GPUs: the driver's control devices. Missing ones are skipped.
+NVIDIA_CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+ISOLATION_SANDBOX = "sandbox"  # own uid + bubblewrap
+ISOLATION_UID = "uid"  # own uid, no bubblewrap (HANGAR_SANDBOX=off)
+ISOLATION_NONE = "none"  # the agent's user (not root, or HANGAR_JOB_UID_RANGE=off)
+
+
+@dataclass(frozen=True)
+class Bind:
+    path: str
+    writable: bool = False
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What one rank's sandbox is made of: plain paths and numbers."""
+
+    uid: int
+    workdir: str
+    checkpoint_dir: str = ""
+    hidden: tuple[str, ...] = ()  # Hangar's data dir, the job workdir root, spool, volume roots
+    binds: tuple[Bind, ...] = ()  # the environment's path (ro) and the job's volumes as declared
+    gpus: tuple[int, ...] = ()
+    real_gpus: bool = False
+    network: str = "host"  # "none": loopback only
+    bwrap: str = "bwrap"
+    setpriv: str = "setpriv"
+    env: str = "env"
+    devices: tuple[str, ...] = field(default=NVIDIA_CONTROL_DEVICES)
+
+
+def job_uid(job_id: int, uid_range: tuple[int, int], busy: set[int]) -> int:
+    """The job's uid: its id's place in the range, the same for every attempt; the next
+    free one when another live job (or a process) on this node holds that one."""
+    low, high = uid_range
+    size = high - low + 1
+    for step in range(size):
+        uid = low + (job_id + step) % size
+        if uid not in busy:
+            return uid
+    raise OSError(f"every uid of HANGAR_JOB_UID_RANGE {low}-{high} is in use on this node")
+
+
+def gpu_devices(gpus: tuple[int, ...] | list[int], control: tuple[str, ...] = NVIDIA_CONTROL_DEVICES) -> list[str]:
+    """The device nodes a job on real GPUs may open: its own /dev/nvidiaN and the control devices."""
+    return [*(f"/dev/nvidia{index}" for index in sorted(gpus)), *control]
+
+
+def under(path: str, parents: list[str] | tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
+
+
+def hidden_mounts(hidden: tuple[str, ...]) -> list[str]:
+    """tmpfs over each hidden path, outermost first; one inside another (or inside /tmp) is already gone."""
+    out: list[str] = []
+    for path in sorted({os.path.normpath(p) for p in hidden if p}, key=len):
+        if path != "/" and not under(path, ["/tmp", *out]):
+            out.append(path)
+    return out
+
+
+def bwrap_argv(box: Sandbox, command: list[str]) -> list[str]:
+    """The argv that runs `command` in `box` (see the module's docstring for the order)."""
+    argv = [box.env, "--ignore-signal=TERM", box.setpriv, f"--reuid={box.uid}", f"--regid={box.uid}"]
+    argv += ["--clear-groups", "--no-new-privs", box.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc"]
+    if box.network == "none":
+        argv.append("--unshare-net")
+    argv += ["--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    hidden = hidden_mounts(box.hidden)
+    for path in hidden:
+        argv += ["--tmpfs", path]
+    if box.real_gpus:
+        for device in gpu_devices(box.gpus, box.devices):
+            argv += ["--dev-bind-try", device, device]
+    own = [Bind(box.workdir, writable=True)]
+    if box.checkpoint_dir and not under(box.checkpoint_dir, [box.workdir]):
+        own.append(Bind(box.checkpoint_dir, writable=True))
+    for bind in [*own, *box.binds]:
+        argv += ["--bind" if bind.writable else "--ro-bind", bind.path, bind.path]
+    for path in hidden:  # what Hangar hides stays read-only: a write there fails, never lands in a throwaway tmpfs
+        argv += ["--remount-ro", path]
+    argv += ["--chdir", box.workdir, "--", box.env, "--default-signal=TERM", *command]
+    return argv
+
+
+def isolation(euid: int, uid_range: tuple[int, int] | None, sandbox_on: bool, bwrap_found: bool) -> tuple[str, str]:
+    """This node's isolation mode and, when it is less than a sandbox, why."""
+    if uid_range is None:
+        return ISOLATION_NONE, "HANGAR_JOB_UID_RANGE=off: jobs run as the agent's user (or HANGAR_JOB_USER)"
+    if euid != 0:
+        return ISOLATION_NONE, "the agent does not run as root: jobs run as its own user, with no sandbox"
+    if not sandbox_on:
+        return ISOLATION_UID, "HANGAR_SANDBOX=off: each job has its own uid but sees the whole file system"
+    if not bwrap_found:
+        return ISOLATION_UID, "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+    return ISOLATION_SANDBOX, ""
+
+
+# --- the agent's side: settings, the file system, /proc ----------------------------------
+
+
+@dataclass(frozen=True)
+class Tools:
+    bwrap: str | None
+    setpriv: str | None
+    env: str | None
+
+
+@functools.cache
+def tools() -> Tools:
+    """Resolved once, with the agent's own PATH: a job's environment never chooses them."""
+    return Tools(shutil.which("bwrap"), shutil.which("setpriv"), shutil.which("env"))
+
+
+def mode() -> tuple[str, str]:
+    from django.conf import settings
+
+    found = tools()
+    return isolation(
+        os.geteuid(),
+        settings.HANGAR_JOB_UID_RANGE,
+        settings.HANGAR_SANDBOX,
+        bool(found.bwrap and found.setpriv and found.env),
+    )
+
+
+@functools.cache
+def announce(isolation_mode: str, reason: str) -> None:
+    """Said once per process, at start: isolation is never weaker than configured in silence."""
+    if reason:
+        log.warning("isolation: %s (%s)", isolation_mode, reason)
+    else:
+        log.info("isolation: sandbox (own uid and bubblewrap namespaces for every job)")
+
+
+def uids_in_use() -> set[int]:
+    """Uids of the processes on this machine (every agent's jobs, an earlier attempt still
+    ending): a new job never takes one of them."""
+    uids = set()
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                try:
+                    uids.add(entry.stat(follow_symlinks=False).st_uid)
+                except OSError:
+                    pass
+    return uids
+
+
+def prepare_node(data_dir: Path, workdir_root: Path) -> None:
+    """Let job uids reach their own directories (search, never list): the data directory and
+    the job workdir root become 0711; the files in them stay 0600, their other folders 0700."""
+    workdir_root.mkdir(parents=True, exist_ok=True)
+    for path in [*Path(workdir_root).parents, workdir_root]:
+        if path == workdir_root or under(str(path), [str(data_dir)]):  # Hangar's own folders
+            path.chmod(0o711)
+        elif not path.stat().st_mode & stat.S_IXOTH:
+            raise OSError(f"job uids cannot reach {workdir_root}: chmod o+x {path}, or move HANGAR_JOB_WORKDIR")
+
+
+def prepare_job_dirs(workdir: Path, checkpoints: Path, uid: int) -> None:
+    """The job's directory and checkpoint directory: 0700 and its uid's (again when an
+    earlier attempt ran as another uid)."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    for path in (workdir, checkpoints):
+        info = path.stat()
+        if info.st_uid != uid:
+            for sub in [path, *path.rglob("*")]:
+                os.chown(sub, uid, uid, follow_symlinks=False)
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            path.chmod(0o700)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the Runner starts one rank of an isolated job: as `uid`, wrapped in `box` when set."""
+
+    uid: int
+    box: Sandbox | None
+
+    def wrap(self, argv: list[str], env: dict[str, str], workdir: Path) -> tuple[list[str], dict[str, str]]:
+        env = {**env, "HOME": str(workdir), "USER": f"job-{self.uid}", "LOGNAME": f"job-{self.uid}"}
+        if self.box is None:
+            return argv, env
+        return bwrap_argv(self.box, argv), {**env, "TMPDIR": "/tmp"}
+
+    def popen_user(self) -> dict:
+        """Popen's arguments: a host job without a sandbox drops to the uid itself (with the
+        sandbox setpriv does; a container's docker client stays the agent's)."""
+        if self.box is not None:
+            return {}
+        return {"user": self.uid, "group": self.uid, "extra_groups": []}
+
+    def returncode(self, code: int) -> int:
+        """bwrap reports a command killed by signal N as exit code 128 + N: the signal again."""
+        if self.box is not None and 128 < code < 128 + 65:
+            return -(code - 128)
+        return code
+
+
+def launch_for(job, gpus: list[int], workdir: Path, real_gpus: bool, container: bool) -> Launch | None:
+    """The job's uid and sandbox on this node, or None when the node isolates nothing
+    (not root, HANGAR_JOB_UID_RANGE=off: today's behaviour, announced at start)."""
+    from django.conf import settings
+
+    isolation_mode, reason = mode()
+    announce(isolation_mode, reason)
+    if isolation_mode == ISOLATION_NONE:
+        return None
+    prepare_node(settings.DATA_DIR, settings.HANGAR_JOB_WORKDIR)
+    uid = job_uid(job.pk, settings.HANGAR_JOB_UID_RANGE, uids_in_use() - {owner_of(workdir)})
+    prepare_job_dirs(workdir, job.checkpoint_dir(), uid)
+    if isolation_mode != ISOLATION_SANDBOX or container:
+        return Launch(uid, None)
+    found = tools()
+    box = Sandbox(
+        uid=uid,
+        workdir=str(workdir),
+        checkpoint_dir=str(job.checkpoint_dir()),
+        hidden=hidden_paths(settings),
+        binds=job_binds(job),
+        gpus=tuple(gpus),
+        real_gpus=real_gpus,
+        network=getattr(job.project, "network", "host"),
+        bwrap=found.bwrap,
+        setpriv=found.setpriv,
+        env=found.env,
+    )
+    return Launch(uid, box)
+
+
+def owner_of(path: Path) -> int | None:
+    """The uid an earlier attempt of this job ran as (its directory's owner): that one is not busy for it."""
+    try:
+        return path.stat().st_uid
+    except OSError:
+        return None
+
+
+def hidden_paths(settings) -> tuple[str, ...]:
+    from portal.models import Volume
+
+    registered = Volume.objects.values_list("path", flat=True)
+    return (
+        str(settings.DATA_DIR),
+        str(settings.HANGAR_JOB_WORKDIR),
+        str(settings.HANGAR_LOG_SPOOL_DIR),
+        *settings.HANGAR_VOLUME_ROOTS,
+        *{os.path.normpath(p) for p in registered if p.startswith("/")},
+    )
+
+
+def job_binds(job) -> tuple[Bind, ...]:
+    binds = []
+    environment = job.environment
+    if environment is not None and environment.path:
+        binds.append(Bind(os.path.normpath(environment.path)))
+    for volume in job.volumes:
+        binds.append(Bind(os.path.normpath(volume["path"]), writable=volume.get("mode") == "rw"))
+    return tuple(binds)
+
+
+def start_checks() -> tuple[str, str]:
+    """At the agent's start: this node's isolation (announced when less than a sandbox), with
+    bwrap, setpriv and the docker client looked up once, with the agent's own PATH."""
+    from django.conf import settings
+
+    from agent.environments import JobUserError, docker_client
+
+    isolation_mode, reason = mode()
+    announce(isolation_mode, reason)
+    if settings.HANGAR_JOB_USER and isolation_mode != ISOLATION_NONE:
+        log.warning("HANGAR_JOB_USER is ignored: each job runs as a uid of its own (HANGAR_JOB_UID_RANGE)")
+    try:
+        docker_client(settings.HANGAR_DOCKER)
+    except JobUserError as exc:
+        log.info("container jobs cannot start here: %s", exc)
+    return isolation_mode, reason

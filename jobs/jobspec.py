@@ -1,0 +1,123 @@
+"""Rules on what a job spec may ask for, as plain functions over plain data: the submit
+path (jobs/api/serializers.py, later jobs/submission.py) calls them and says what they say.
+
+- Reserved variable names: the ones Hangar sets for each attempt, and the ones that would
+  change what the agent's own programs (the docker client, the sandbox) load or talk to.
+- Secrets on a resubmit or run-again by another user: their values never travel with the
+  copy; the names are required again.
+"""
+
+import fnmatch
+
+RESERVED_NAMES = {
+    "CUDA_VISIBLE_DEVICES": "is set by Hangar for each attempt (the GPUs placed for it)",
+    "NVIDIA_VISIBLE_DEVICES": "would choose the GPUs a container sees; Hangar gives each job the GPUs placed for it",
+    "LD_PRELOAD": "would load a library into every program started for the job, the agent's included",
+    "LD_LIBRARY_PATH": "would change the libraries of every program started for the job, the agent's included; "
+    "use an environment (its path) or set it inside your command",
+}
+RESERVED_PREFIXES = {
+    "HANGAR_": "is set by Hangar for each attempt (names starting with HANGAR_ are Hangar's)",
+    "MLFLOW_": "is set by Hangar for each attempt: a job logs to its own MLflow run (names starting with MLFLOW_ "
+    "are Hangar's)",
+    "DOCKER_": "would change which docker engine or configuration the agent's docker client uses",
+}
+CONTAINER_RESERVED = {
+    "PATH": "would choose the programs the agent runs for a container job; set PATH in the image instead",
+}
+
+
+def reserved_reason(name: str, container: bool = False) -> str | None:
+    """Why `name` may not be set by a job (None: it may)."""
+    if name in RESERVED_NAMES:
+        return RESERVED_NAMES[name]
+    for prefix, why in RESERVED_PREFIXES.items():
+        if name.startswith(prefix):
+            return why
+    if container:
+        return CONTAINER_RESERVED.get(name)
+    return None
+
+
+def env_problem(names, container: bool = False) -> str | None:
+    """The first reserved name among `names`, said as the submit answers it."""
+    for name in names:
+        if why := reserved_reason(name, container):
+            return f"{name} {why}; remove it from env"
+    return None
+
+
+def secrets_to_give(secret_names, submitted_by_id: int, user_id: int, given: dict) -> list[str]:
+    """A copy of a job (resubmit, run again) by another user than its submitter takes none of
+    its secret values: the names still missing from `given`, which the copy is refused without."""
+    if submitted_by_id == user_id:
+        return []
+    return sorted(set(secret_names) - set(given or {}))
+
+
+def secrets_message(job_id: int, missing: list[str]) -> str:
+    names = ", ".join(missing)
+    example = ", ".join(f'"{name}": "..."' for name in missing)
+    return (
+        f"job {job_id} was submitted by another user: its secrets are not copied; give {names} "
+        f'(API: POST the resubmit with {{"secret_env": {{{example}}}}}; CLI: submit it with --secret-env NAME=VALUE; '
+        "form: fill in Secret variables)"
+    )
+
+
+def network_problem(project, nodes: int) -> str | None:
+    """A project whose jobs get loopback only cannot run ranks on several nodes."""
+    if nodes > 1 and getattr(project, "network", "host") == "none":
+        return (
+            f"asks for {nodes} nodes, but project {project.slug}'s network policy is none (loopback only): "
+            "its ranks could not reach each other; use one node, or ask for network host"
+        )
+    return None
+
+
+def image_problem(image: str, allowed: str, project_slug: str) -> str | None:
+    """A container image outside the project's allow-list (one fnmatch pattern a line; empty: any)."""
+    patterns = [line.strip() for line in allowed.splitlines() if line.strip()]
+    if not patterns or any(fnmatch.fnmatchcase(image, pattern) for pattern in patterns):
+        return None
+    return f"image {image} is not among project {project_slug}'s allowed images ({', '.join(patterns)})"
+
+
+def copy_for(job, spec: dict, user, given) -> dict:
+    """A resubmit's or run-again's spec (reproduce.clone_data) as `user` may submit it: by
+    another user than the submitter, with only the secret values `user` gives."""
+    if job.submitted_by_id == getattr(user, "pk", None):
+        return spec
+    spec = {k: v for k, v in spec.items() if k != "secret_env"}
+    if isinstance(given, dict) and given:
+        spec["secret_env"] = given
+    return spec
+
+
+def check(attrs: dict, user, copy_of=None) -> None:
+    """The submit's checks of this module over a resolved spec (jobs/submission.py), raised as
+    the API's field errors; `copy_of`: the job a resubmit or run-again copies."""
+    from django.conf import settings
+    from rest_framework.exceptions import ValidationError
+
+    from portal.volumes import clean_volume_path
+
+    if (problem := network_problem(attrs["project"], attrs.get("nodes", 1))) is not None:
+        raise ValidationError({"nodes": problem})
+    environment = attrs.get("environment")
+    container = environment is not None and environment.kind == "container"
+    if problem := env_problem([*attrs.get("env", {}), *attrs.get("secret_env", {})], container):
+        raise ValidationError({"env": problem})
+    project = attrs["project"]
+    if container and (problem := image_problem(environment.image, project.allowed_images, project.slug)):
+        raise ValidationError({"environment": problem})
+    for index, volume in enumerate(attrs.get("volumes") or []):
+        try:
+            volume["path"] = clean_volume_path(volume["path"], settings.HANGAR_VOLUME_ROOTS)
+        except ValueError as exc:
+            raise ValidationError({f"volumes[{index}].name": f"volume {volume['name']} cannot be mounted: {exc}"})
+    if copy_of is not None:
+        user_id = getattr(user, "pk", None)
+        missing = secrets_to_give(copy_of.secret_env, copy_of.submitted_by_id, user_id, attrs.get("secret_env"))
+        if missing:
+            raise ValidationError({"secret_env": secrets_message(copy_of.pk, missing)})
