@@ -6,6 +6,7 @@ heartbeats, telemetry, the health monitor (telemetry and the jobs' own
 output) and fault injection on simulated nodes.
 """
 
+import dataclasses
 import logging
 import queue
 import socket
@@ -193,10 +194,16 @@ def running() -> list:
 
 
 def handle_finding(node: Node, finding: health.Finding, attempt=None) -> HealthEvent:
-    """Record a finding; when the policy says so, stop the attempts it hit (infra: they are requeued)."""
+    """Record a finding; when the policy says so, stop the attempts it hit (infra: they are requeued).
+    A finding from a job's output is first re-checked on the node's GPUs (fleet.recheck)."""
     from jobs.models import AttemptState, FailureClass
 
-    event, decision = HealthEvent.record(node, finding, attempt)
+    recheck = None
+    if finding.source == health.Source.OUTPUT:
+        from fleet.recheck import recheck as recheck_gpus
+
+        recheck = recheck_gpus(node, list(getattr(attempt, "gpu_indices", None) or []), attempt)
+    event, decision = HealthEvent.record(node, finding, attempt, recheck)
     if decision.stop_job:
         for runner in running():
             hit = runner.attempt.pk == getattr(attempt, "pk", None) or (
@@ -212,8 +219,9 @@ def handle_finding(node: Node, finding: health.Finding, attempt=None) -> HealthE
 _seen_in_output: set[tuple[int, str, int | None]] = set()
 
 
-def observe_output(attempt, text: str) -> None:
-    """Called for each line of a job's output: act on NCCL, ECC and Xid errors in it."""
+def observe_output(attempt, text: str, rank: int = 0, rank_seq: int | None = None) -> None:
+    """Called for each line of a job's output: NCCL, ECC and Xid errors in it are suspicions
+    (see `health.weigh_suspicion`), recorded with where the line came from."""
     finding = health.scan_line(text)
     if finding is None:
         return
@@ -221,6 +229,8 @@ def observe_output(attempt, text: str) -> None:
     if key in _seen_in_output:
         return
     _seen_in_output.add(key)
+    where = {"attempt": attempt.pk, "rank": rank, "rank_seq": rank_seq, "user": attempt.job.submitted_by_id}
+    finding = dataclasses.replace(finding, evidence={**finding.evidence, **where})
     try:
         handle_finding(attempt.node, finding, attempt)
     except Exception:  # runs on the log writer's thread: never let it die over a finding
