@@ -171,6 +171,7 @@ class Job(models.Model):
     environment = models.ForeignKey(Environment, null=True, blank=True, on_delete=models.PROTECT, related_name="jobs")
     max_runtime_seconds = models.PositiveIntegerField()
     max_retries = models.PositiveSmallIntegerField(default=0, help_text="Retries after the command itself failed.")
+    stop_on_hang = models.BooleanField(default=False, help_text="End an attempt whose hang is suspected.")
     retries = models.PositiveSmallIntegerField(default=0, help_text="Retries used (failure class user).")
     preemptions = models.PositiveIntegerField(default=0, help_text="Times preempted and requeued.")
     order_at = models.DateTimeField(default=timezone.now, help_text="Place within its priority class in the queue.")
@@ -324,6 +325,7 @@ class Attempt(models.Model):
     borrowed = models.BooleanField(default=False, help_text="Placed on GPUs beyond its project's quota.")
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
+    diagnosis = models.JSONField(default=dict, blank=True, help_text="Why it failed (jobs/diagnosis.py); hang flags.")
 
     class Meta:
         ordering = ["job", "number"]
@@ -424,6 +426,10 @@ class Attempt(models.Model):
             self.state, self.failure_class, self.reason, self.exit_code = state, failure_class, reason, exit_code
             self._move_job_on(now)
             JobCost.record_attempt(self.pk)
+            if state != AttemptState.SUCCEEDED:  # why it failed, once its end is committed
+                from jobs.diagnosing import diagnose_after_commit
+
+                diagnose_after_commit(self.pk)
             from jobs.scheduler import request_pass
 
             request_pass()  # its GPUs are free, and the job may be queued again

@@ -283,6 +283,9 @@ def reconcile() -> None:
     Node.mark_silent_offline()
     for attempt in Attempt.expire_leases() + Attempt.expire_unstarted():
         log.warning("attempt %s of job %s ended as lost: %s", attempt.number, attempt.job_id, attempt.reason)
+    from jobs.diagnosing import check_hangs
+
+    check_hangs()
 
 
 def request_pass() -> None:

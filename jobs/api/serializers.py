@@ -3,6 +3,7 @@ import re
 
 from django.conf import settings
 from django.db import transaction
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from jobs.api.capacity import node_sizes
@@ -96,6 +97,9 @@ class JobSubmitSerializer(serializers.Serializer):
     preemptible = serializers.BooleanField(required=False, allow_null=True, default=None)
     max_retries = serializers.IntegerField(
         default=0, min_value=0, max_value=100, error_messages={"max_value": "must be at most 100 retries"}
+    )
+    stop_on_hang = serializers.BooleanField(
+        required=False, default=False, help_text="End the attempt when a hang is suspected (HANGAR_HANG_SECONDS)."
     )
     environment = serializers.CharField(required=False, allow_blank=True, max_length=64)
     max_runtime_seconds = serializers.IntegerField(
@@ -249,6 +253,7 @@ class JobSubmitSerializer(serializers.Serializer):
                 priority=validated["priority"],
                 preemptible=validated.get("preemptible"),
                 max_retries=validated["max_retries"],
+                stop_on_hang=validated.get("stop_on_hang", False),
                 environment=validated.get("environment"),
                 max_runtime_seconds=validated.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
                 code_version=validated.get("code_version", ""),
@@ -260,10 +265,49 @@ class JobSubmitSerializer(serializers.Serializer):
         return job
 
 
+class EvidenceSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField(required=False, help_text="The attempt whose log line it is.")
+    seq = serializers.IntegerField(required=False, help_text="The line's seq in that attempt's log.")
+    rank = serializers.IntegerField(required=False)
+    node = serializers.CharField(required=False)
+    text = serializers.CharField()
+    health_event = serializers.IntegerField(required=False)
+
+
+class DiagnosisSerializer(serializers.Serializer):
+    """Why an attempt failed (jobs/diagnosis.py)."""
+
+    category = serializers.CharField(help_text="cuda_oom, host_oom, nan_loss, python_exception, ... or unknown.")
+    summary = serializers.CharField()
+    hint = serializers.CharField(help_text="What to change.")
+    confidence = serializers.ChoiceField(choices=["high", "medium", "low"])
+    first_failing_rank = serializers.IntegerField(allow_null=True, help_text="The rank whose error came first.")
+    evidence = EvidenceSerializer(many=True)
+
+
+class HangSerializer(serializers.Serializer):
+    ranks = serializers.ListField(child=serializers.IntegerField(), help_text="The silent ranks.")
+    summary = serializers.CharField()
+    at = serializers.DateTimeField()
+
+
+def diagnosis_of(attempt: Attempt | None) -> dict | None:
+    found = attempt.diagnosis if attempt is not None else None
+    if not found or "category" not in found:
+        return None
+    return {k: found[k] for k in ("category", "summary", "hint", "confidence", "first_failing_rank", "evidence")}
+
+
+def hang_of(attempt: Attempt | None) -> dict | None:
+    return (attempt.diagnosis or {}).get("hang_suspected") if attempt is not None else None
+
+
 class AttemptSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name")
     preflight_seconds = serializers.FloatField(read_only=True)
     running_seconds = serializers.FloatField(read_only=True)
+    diagnosis = serializers.SerializerMethodField()
+    hang_suspected = serializers.SerializerMethodField()
 
     class Meta:
         model = Attempt
@@ -285,7 +329,17 @@ class AttemptSerializer(serializers.ModelSerializer):
             "reason",
             "preflight_seconds",
             "running_seconds",
+            "diagnosis",
+            "hang_suspected",
         ]
+
+    @extend_schema_field(DiagnosisSerializer(allow_null=True))
+    def get_diagnosis(self, attempt: Attempt) -> dict | None:
+        return diagnosis_of(attempt)
+
+    @extend_schema_field(HangSerializer(allow_null=True))
+    def get_hang_suspected(self, attempt: Attempt) -> dict | None:
+        return hang_of(attempt)
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -295,6 +349,8 @@ class JobSerializer(serializers.ModelSerializer):
     attempts = AttemptSerializer(many=True, read_only=True)
     secret_env = serializers.SerializerMethodField(help_text="Names of the secret variables; values are never shown.")
     urls = serializers.SerializerMethodField()
+    diagnosis = serializers.SerializerMethodField(help_text="Why its latest attempt failed; null when it did not.")
+    hang_suspected = serializers.SerializerMethodField(help_text="Set while its running attempt seems hung.")
 
     class Meta:
         model = Job
@@ -323,6 +379,9 @@ class JobSerializer(serializers.ModelSerializer):
             "exit_code",
             "failure_class",
             "requeues",
+            "stop_on_hang",
+            "diagnosis",
+            "hang_suspected",
             "created_at",
             "queued_at",
             "finished_at",
@@ -364,6 +423,9 @@ class JobSerializer(serializers.ModelSerializer):
             "exit_code": job.exit_code,
             "failure_class": job.failure_class,
             "requeues": job.requeues,
+            "stop_on_hang": job.stop_on_hang,
+            "diagnosis": self.get_diagnosis(job),
+            "hang_suspected": self.get_hang_suspected(job),
             "created_at": DATETIME.to_representation(job.created_at),
             "queued_at": DATETIME.to_representation(job.queued_at),
             "finished_at": DATETIME.to_representation(job.finished_at),
@@ -387,6 +449,20 @@ class JobSerializer(serializers.ModelSerializer):
         if not hasattr(self, "_attempts"):
             self._attempts = AttemptSerializer(many=True, context=self.context)
         return self._attempts.to_representation(attempts)
+
+    def latest(self, job: Job) -> Attempt | None:
+        if self.context.get("created"):
+            return None
+        attempts = list(job.attempts.all())  # prefetched with the job where a page lists many
+        return max(attempts, key=lambda a: a.number) if attempts else None
+
+    @extend_schema_field(DiagnosisSerializer(allow_null=True))
+    def get_diagnosis(self, job: Job) -> dict | None:
+        return diagnosis_of(self.latest(job))
+
+    @extend_schema_field(HangSerializer(allow_null=True))
+    def get_hang_suspected(self, job: Job) -> dict | None:
+        return hang_of(self.latest(job))
 
     def get_secret_env(self, job: Job) -> dict[str, str]:
         return dict.fromkeys(job.secret_env, SECRET_MASK)

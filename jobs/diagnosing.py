@@ -1,0 +1,170 @@
+"""Loading and saving around the pure diagnosis (jobs/diagnosis.py).
+
+When an attempt ends badly (`Attempt.finish`), its diagnosis is computed once
+the end is committed and stored on the attempt (`Attempt.diagnosis`), then put
+on the job's MLflow run as tags. `check_hangs` (run by the reconciler) flags a
+running attempt whose ranks went silent.
+"""
+
+import logging
+import time
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from jobs import diagnosis
+from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, JobEvent, LogLine, Stream
+
+log = logging.getLogger("hangar.diagnosis")
+
+TAIL_PER_RANK = 300  # the last lines of each rank: where a rank's error usually is
+ERRORS = 300  # plus the attempt's first error and fault lines: where the first failure usually is
+STREAMS = {Stream.SYSTEM: "system", Stream.STDOUT: "stdout", Stream.STDERR: "stderr"}
+
+
+def diagnose_after_commit(attempt_id: int) -> None:
+    transaction.on_commit(lambda: store(attempt_id))
+
+
+def store(attempt_id: int) -> dict | None:
+    """Diagnose an ended attempt and store the result; never raises (a diagnosis is an aid)."""
+    try:
+        attempt = Attempt.objects.select_related("job", "node").filter(pk=attempt_id).first()
+        if attempt is None or attempt.state in STARTED_ATTEMPT_STATES or attempt.state == AttemptState.SUCCEEDED:
+            return None
+        found = diagnosis.diagnose(load_lines(attempt), ending(attempt), health_events(attempt)).as_json()
+        if hang := attempt.diagnosis.get("hang_suspected"):
+            found["hang_suspected"] = hang
+        Attempt.objects.filter(pk=attempt_id).update(diagnosis=found)
+    except Exception:
+        log.exception("attempt %s: no diagnosis", attempt_id)
+        return None
+    from jobs import tracking
+
+    tracking.tag_diagnosis(attempt.job_id, found)
+    return found
+
+
+def load_lines(attempt: Attempt) -> list[diagnosis.Line]:
+    lines = LogLine.objects.filter(job_id=attempt.job_id, attempt_id=attempt.pk)
+    wanted: dict[int, dict] = {}
+    errors = lines.filter(Q(severity__gte=40) | Q(fault=True)).order_by("seq")[:ERRORS]
+    for row in errors.values("seq", "rank", "stream", "text", "node__name"):
+        wanted[row["seq"]] = row
+    for rank in range(len(attempt.ranks)):
+        tail = lines.filter(rank=rank).order_by("-seq")[:TAIL_PER_RANK]
+        for row in tail.values("seq", "rank", "stream", "text", "node__name"):
+            wanted[row["seq"]] = row
+    return [
+        diagnosis.Line(r["seq"], r["text"], r["rank"], r["node__name"] or "", STREAMS.get(r["stream"], ""), attempt.pk)
+        for r in (wanted[s] for s in sorted(wanted))
+    ]
+
+
+def ending(attempt: Attempt) -> diagnosis.Ending:
+    return diagnosis.Ending(
+        state=attempt.state,
+        failure_class=attempt.failure_class,
+        exit_code=attempt.exit_code,
+        reason=attempt.reason,
+        world_size=len(attempt.ranks),
+        max_runtime_seconds=attempt.job.max_runtime_seconds,
+        memory_limit_mb=settings.HANGAR_JOB_MEMORY_LIMIT_MB,
+    )
+
+
+def health_events(attempt: Attempt) -> list[diagnosis.Event]:
+    from fleet.models import HealthEvent
+
+    nodes = [r["node_id"] for r in attempt.ranks]
+    since = attempt.started_at or attempt.scheduled_at
+    rows = HealthEvent.objects.filter(node_id__in=nodes, at__gte=since).filter(
+        Q(attempt_id=attempt.pk) | Q(attempt__isnull=True)
+    )
+    if attempt.finished_at is not None:
+        rows = rows.filter(at__lte=attempt.finished_at)
+    return [
+        diagnosis.Event(e.kind, e.message, e.node.name, e.action, e.source, e.pk)
+        for e in rows.select_related("node").order_by("at")[:50]
+    ]
+
+
+# --- hangs ------------------------------------------------------------------------------------
+
+
+def check_hangs(now=None) -> list[int]:
+    """Flag running attempts with a rank silent for HANGAR_HANG_SECONDS while the others print (or all
+    silent with idle GPUs); stop those whose job asks for it. Returns the attempts newly flagged."""
+    now = now or timezone.now()
+    flagged = []
+    running = Attempt.objects.filter(state=AttemptState.RUNNING).select_related("job")
+    for attempt in running.exclude(diagnosis__has_key="hang_suspected"):
+        hang = hang_of(attempt, now)
+        if hang is not None and flag(attempt, hang, now):
+            flagged.append(attempt.pk)
+    return flagged
+
+
+def hang_of(attempt: Attempt, now) -> diagnosis.Hang | None:
+    seconds = settings.HANGAR_HANG_SECONDS
+    started = attempt.running_at or attempt.started_at
+    if started is None or (now - started).total_seconds() < seconds:
+        return None
+    last = dict(
+        LogLine.objects.filter(job_id=attempt.job_id, attempt_id=attempt.pk)
+        .exclude(stream=Stream.SYSTEM)
+        .values_list("rank")
+        .annotate(last=Max("ts"))
+        .values_list("rank", "last")
+    )
+    stamp = {rank: ts.timestamp() for rank, ts in last.items()}
+    return diagnosis.hang_suspected(
+        stamp, now.timestamp(), started.timestamp(), seconds, len(attempt.ranks), gpus_idle(attempt)
+    )
+
+
+def gpus_idle(attempt: Attempt) -> bool | None:
+    """Whether every GPU of the attempt is idle per its latest telemetry; None when unknown."""
+    from fleet.models import GPU
+
+    values = []
+    for placement in attempt.ranks:
+        rows = GPU.objects.filter(node_id=placement["node_id"], index__in=placement["gpus"])
+        values += list(rows.values_list("utilization_pct", flat=True))
+    if not values or any(v is None for v in values):
+        return None
+    return all(v < 5 for v in values)
+
+
+def flag(attempt: Attempt, hang: diagnosis.Hang, now) -> bool:
+    note = {"ranks": list(hang.ranks), "summary": hang.summary, "at": now.isoformat()}
+    with transaction.atomic():
+        row = Attempt.objects.select_for_update().filter(pk=attempt.pk, state=AttemptState.RUNNING).first()
+        if row is None or "hang_suspected" in row.diagnosis:
+            return False
+        Attempt.objects.filter(pk=attempt.pk).update(diagnosis={**row.diagnosis, "hang_suspected": note})
+        JobEvent.objects.create(job_id=attempt.job_id, attempt=attempt, kind="hang_suspected", message=hang.summary)
+    log.warning("attempt %s of job %s: hang suspected: %s", attempt.number, attempt.job_id, hang.summary)
+    if attempt.job.stop_on_hang:
+        stop_hung(attempt, hang)
+    return True
+
+
+def stop_hung(attempt: Attempt, hang: diagnosis.Hang) -> None:
+    """The job asked for it: end the attempt as the job's own failure. Its ranks' runners find it
+    ended at their next check and stop their processes (SIGTERM, grace, SIGKILL)."""
+    reason = f"{diagnosis.HANG_STOP}: {hang.summary} (stop_on_hang)"
+    attempt.finish(AttemptState.FAILED, FailureClass.USER, reason)
+
+
+def wait_for(attempt_id: int, timeout: float = 10.0) -> dict:
+    """For tests and benches: the stored diagnosis of an attempt, once there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = Attempt.objects.filter(pk=attempt_id).values_list("diagnosis", flat=True).first() or {}
+        if "category" in found:
+            return found
+        time.sleep(0.1)
+    return {}
