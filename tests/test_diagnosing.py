@@ -67,8 +67,17 @@ def lines(attempt, rank: int, ago: float, count: int = 1) -> None:
     at = timezone.now() - timedelta(seconds=ago)
     start = LogLine.objects.filter(attempt=attempt).count()
     LogLine.objects.bulk_create(
-        LogLine(job_id=attempt.job_id, attempt=attempt, node=attempt.node, rank=rank, seq=start + i + 1,
-                rank_seq=start + i + 1, stream=Stream.STDOUT, ts=at, text=f"step {i}")  # fmt: skip
+        LogLine(
+            job_id=attempt.job_id,
+            attempt=attempt,
+            node=attempt.node,
+            rank=rank,
+            seq=start + i + 1,
+            rank_seq=start + i + 1,
+            stream=Stream.STDOUT,
+            ts=at,
+            text=f"step {i}",
+        )  # fmt: skip
         for i in range(count)
     )
 
