@@ -4,6 +4,7 @@ import sys
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from fleet import agent
@@ -39,6 +40,14 @@ def test_a_failed_attempt_carries_its_diagnosis_in_the_api(node, project, owner)
     assert body["diagnosis"]["category"] == "import_error"
     assert body["attempts"][0]["diagnosis"] == body["diagnosis"]
     assert body["hang_suspected"] is None
+    browser = Client()
+    browser.force_login(owner)
+    page = browser.get(f"/jobs/{attempt.job_id}/").content.decode()
+    assert 'id="job-diagnosis"' in page and "Jump to evidence" in page and f'data-seq="{seq}"' in page
+    from portal.cli import describe
+
+    printed = describe(body)
+    assert "why:      import_error: ModuleNotFoundError" in printed and "hint:" in printed
 
 
 def test_a_succeeded_attempt_has_none(node, project, owner):
