@@ -14,7 +14,8 @@ from django.utils import timezone
 from fleet import health
 from fleet.models import HealthEvent, Node, XidPolicy
 
-DRIVER_KINDS = (health.Kind.XID, health.Kind.ECC, health.Kind.GPU_LOST)
+# The node's own reports that corroborate a job's (NCCL: the simulator's injected failures).
+DRIVER_KINDS = (health.Kind.XID, health.Kind.ECC, health.Kind.GPU_LOST, health.Kind.NCCL)
 
 
 def window_start():
@@ -115,7 +116,7 @@ def refs(backing: health.Corroboration | None, decision: health.Decision) -> dic
 def cordon_evidence(node: Node, event: HealthEvent) -> dict:
     """A cordon names all its evidence: the event that decided it, and the other events on the node
     within the window (job output suspicions and driver reports) that agree with it."""
-    related = HealthEvent.objects.filter(node=node, at__gte=window_start(), kind__in=[*DRIVER_KINDS, health.Kind.NCCL])
+    related = HealthEvent.objects.filter(node=node, at__gte=window_start(), kind__in=DRIVER_KINDS)
     pieces = [
         {"health_event": e.pk, "source": e.source, "kind": e.kind, "message": e.message, **_line(e)}
         for e in related.exclude(pk=event.pk).order_by("at")[:10]

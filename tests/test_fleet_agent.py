@@ -128,6 +128,10 @@ def test_an_injected_nccl_failure_reaches_the_jobs_output(sim_agent, running_on)
 
     stream, _, raw, _ = runner.lines.get_nowait()
     assert stream == Stream.STDERR and b"NCCL WARN" in raw and b"unhandled system error" in raw
+    # The injection is the simulated node's own report, not only a line in the job's output: it cordons.
+    event = HealthEvent.objects.get()
+    assert (event.kind, event.source) == ("nccl", "telemetry") and "cordoned" in event.action
+    assert sim_agent.node.state == NodeState.CORDONED and runner.stopped is not None
 
 
 def test_a_fault_in_the_jobs_output_is_recorded_against_its_attempt(sim_agent, running_on):
