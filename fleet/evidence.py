@@ -124,6 +124,14 @@ def cordon_evidence(node: Node, event: HealthEvent) -> dict:
     return {**event.evidence, "source": event.source, "related_events": pieces}
 
 
+def also_seen(evidence: dict) -> str:
+    """For a cordon's reason: the other evidence on the node that agrees, from the other source."""
+    other = [e for e in evidence["related_events"] if e["source"] != evidence["source"]][:3]
+    if not other:
+        return ""
+    return "; also " + "; ".join(f"{e['message']} ({e['source']}, health event {e['health_event']})" for e in other)
+
+
 def _line(event: HealthEvent) -> dict:
     keep = ("line", "attempt", "rank", "rank_seq", "user")
     return {k: event.evidence[k] for k in keep if k in event.evidence}

@@ -466,8 +466,9 @@ class HealthEvent(models.Model):
             source=finding.source,
         )
         if decision.cordon:
-            reason = f"{finding.message} ({decision.why})"
-            node.auto_cordon(reason, {"health_event": event.pk, **corroborating.cordon_evidence(node, event)})
+            evidence = corroborating.cordon_evidence(node, event)
+            reason = f"{finding.message} ({decision.why}){corroborating.also_seen(evidence)}"
+            node.auto_cordon(reason, {"health_event": event.pk, **evidence})
         return event, decision
 
     @classmethod

@@ -323,6 +323,10 @@ def line_signals(lines: list[Line], ending: Ending) -> list[Signal]:
             out.append(segfault_signal(line, ending))
         elif _ABORT.search(text):
             out.append(abort_signal(line, lines, ending))
+        elif _COLLECTIVE_TIMEOUT.search(text):
+            out.append(collective_signal(line, (line,)))
+        elif _NETWORK.search(text):
+            out.append(network_signal(line, (line,)))
         elif _GPU_FAULT.search(text):
             out.append(Signal(GPU_FAULT, line, f"the job's output reports a GPU fault: {text.strip()[:200]}",
                               gpu_hint(), (line,), "low"))  # fmt: skip
@@ -395,12 +399,14 @@ def diagnose(lines: list[Line], ending: Ending, events: list[Event] = ()) -> Dia
         chosen = Signal(GPU_FAULT, chosen.line, chosen.summary + " (not corroborated by the node: the job's failure)",
                         "The node's re-check and driver saw no fault: look at the job's own error", chosen.lines,
                         "low")  # fmt: skip
-    confidence = chosen.confidence
+    confidence, summary = chosen.confidence, chosen.summary
     if chosen.category in FOLLOW_ON and ending.world_size > 1:
         confidence = "medium"  # no rank shows a cause: a peer may have died without a word
+    if chosen.category == NETWORK_ERROR and any(e.source == "output" and not trusted(e) for e in events):
+        confidence, summary = "low", summary + " (reported only by the job's output; the node saw nothing)"
     return Diagnosis(
         chosen.category,
-        chosen.summary,
+        summary,
         chosen.hint,
         confidence,
         chosen.line.rank,

@@ -149,3 +149,13 @@ def test_a_hang_is_suspected_when_a_rank_is_silent(last, idle, silent):
 
 def test_no_hang_before_the_attempt_ran_that_long():
     assert hang_suspected({}, now=10.0, started=0.0, hang_seconds=30, world_size=2) is None
+
+
+def test_an_nccl_error_only_the_jobs_output_claims_has_low_confidence():
+    lines = [Line(1, "host:1:2 [0] NCCL WARN Call to ibv_post_send failed: unhandled system error", stream="stderr")]
+    suspicion = Event("nccl", "NCCL reported an unhandled error", "node-a", "suspected, job stopped", "output")
+
+    found = diagnose(lines, Ending(exit_code=3), [suspicion])
+
+    assert found.category == "network_error" and found.confidence == "low"
+    assert "reported only by the job's output" in found.summary

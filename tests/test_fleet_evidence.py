@@ -191,3 +191,18 @@ def test_a_jobs_own_exit_after_printing_a_fake_xid_is_its_own_failure(transactio
     assert event and "suspected" in event.action, list(LogLine.objects.values_list("text", flat=True))
     # Exited on its own (before any stop): the job's failure, not the node's, unless corroborated.
     assert attempt.failure_class == FailureClass.USER, attempt.reason
+
+
+def test_the_drivers_report_after_a_suspicion_cordons_naming_both(sim_agent, run_on, project, owner):
+    runner = run_on(project, owner)
+    observe_output(runner.attempt, XID_LINE)
+    assert state(sim_agent.node) == NodeState.READY
+
+    sim_agent.provider.inject("xid", 0, 79)
+    sim_agent.report()
+
+    assert state(sim_agent.node) == NodeState.CORDONED
+    assert "GPU 0: Xid 79" in sim_agent.node.state_reason
+    assert "also Xid 79 in the job's output (output" in sim_agent.node.state_reason
+    evidence = AuditEvent.objects.get(action="node.auto_cordon").detail["evidence"]
+    assert evidence["source"] == "telemetry" and evidence["related_events"][0]["line"] == XID_LINE

@@ -37,7 +37,7 @@ class NodeSerializer(serializers.ModelSerializer):
 class HealthEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = HealthEvent
-        fields = ["at", "kind", "severity", "gpu_index", "xid", "attempt", "message", "evidence", "action"]
+        fields = ["at", "kind", "severity", "gpu_index", "xid", "attempt", "message", "evidence", "action", "source"]
 
 
 class HealthCheckSerializer(serializers.ModelSerializer):
