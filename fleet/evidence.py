@@ -22,6 +22,16 @@ def window_start():
     return timezone.now() - timedelta(seconds=settings.HANGAR_CORROBORATION_WINDOW_SECONDS)
 
 
+def counted_since(node: Node):
+    """Evidence counts within the window, and only since the node last returned to service: what
+    came before a burn-in (or an operator's override) was dealt with then."""
+    start = window_start()
+    state, changed = Node.objects.filter(pk=node.pk).values_list("state", "state_changed_at").first() or ("", None)
+    if state == "ready" and changed is not None and changed > start:
+        return changed
+    return start
+
+
 def load(node: Node, finding: health.Finding, attempt, recheck: tuple[bool, list[str]] | None):
     """The corroboration of a finding from a job's output; None for the driver's own findings."""
     if finding.source != health.Source.OUTPUT:
@@ -48,7 +58,7 @@ def driver_reports(node: Node, attempt) -> list[str]:
     """What the node's driver reported on the attempt's GPUs within the window (Xids the table
     calls the application's own excepted)."""
     events = HealthEvent.objects.filter(
-        node=node, source=health.Source.TELEMETRY, kind__in=DRIVER_KINDS, at__gte=window_start()
+        node=node, source=health.Source.TELEMETRY, kind__in=DRIVER_KINDS, at__gte=counted_since(node)
     )
     gpus = list(getattr(attempt, "gpu_indices", None) or [])
     if gpus:
@@ -66,7 +76,7 @@ def reporters(node: Node, finding: health.Finding, attempt) -> int:
     window, this attempt's included. Follow-on reports of another node's fault do not count."""
     rows = (
         same_output_finding(finding)
-        .filter(node=node, at__gte=window_start(), attempt__isnull=False)
+        .filter(node=node, at__gte=counted_since(node), attempt__isnull=False)
         .exclude(evidence__has_key="reported_first_on")
         .values_list("attempt__job__submitted_by_id", "attempt__job__project_id")
     )

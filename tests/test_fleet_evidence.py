@@ -206,3 +206,15 @@ def test_the_drivers_report_after_a_suspicion_cordons_naming_both(sim_agent, run
     assert "also Xid 79 in the job's output (output" in sim_agent.node.state_reason
     evidence = AuditEvent.objects.get(action="node.auto_cordon").detail["evidence"]
     assert evidence["source"] == "telemetry" and evidence["related_events"][0]["line"] == XID_LINE
+
+
+def test_evidence_from_before_the_node_returned_to_service_does_not_count(sim_agent, run_on, project, owner):
+    HealthEvent.objects.create(
+        node=sim_agent.node, gpu_index=0, kind="xid", xid=79, severity="critical", message="GPU 0: Xid 79"
+    )
+    sim_agent.node.cordon(None, "by hand")
+    sim_agent.node.uncordon(None, "burn-in passed")  # after the Xid: it was dealt with
+
+    observe_output(run_on(project, owner).attempt, XID_LINE)
+
+    assert state(sim_agent.node) == NodeState.READY
