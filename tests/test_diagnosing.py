@@ -48,6 +48,13 @@ def test_a_failed_attempt_carries_its_diagnosis_in_the_api(node, project, owner)
 
     printed = describe(body)
     assert "why:      import_error: ModuleNotFoundError" in printed and "hint:" in printed
+    from jobs import tracking
+
+    job = attempt.job.__class__.objects.get(pk=attempt.job_id)
+    assert job.mlflow_run_id, job.tracking_error
+    if tracking.enabled():  # the run carries it too
+        tags = tracking.client().get_run(job.mlflow_run_id).data.tags
+        assert tags["hangar.diagnosis.category"] == "import_error" and "transformerz" in tags["hangar.diagnosis"]
 
 
 def test_a_succeeded_attempt_has_none(node, project, owner):
