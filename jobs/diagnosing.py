@@ -11,7 +11,7 @@ import time
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from jobs import diagnosis
@@ -94,9 +94,17 @@ def health_events(attempt: Attempt) -> list[diagnosis.Event]:
 # --- hangs ------------------------------------------------------------------------------------
 
 
-def check_hangs(now=None) -> list[int]:
+_next_check = 0.0
+
+
+def check_hangs(now=None, force: bool = False) -> list[int]:
     """Flag running attempts with a rank silent for HANGAR_HANG_SECONDS while the others print (or all
-    silent with idle GPUs); stop those whose job asks for it. Returns the attempts newly flagged."""
+    silent with idle GPUs); stop those whose job asks for it. Returns the attempts newly flagged.
+    The reconciler calls it every pass; it looks at most ten times per HANGAR_HANG_SECONDS."""
+    global _next_check
+    if not force and time.monotonic() < _next_check:
+        return []
+    _next_check = time.monotonic() + settings.HANGAR_HANG_SECONDS / 10
     now = now or timezone.now()
     flagged = []
     running = Attempt.objects.filter(state=AttemptState.RUNNING).select_related("job")
@@ -112,14 +120,13 @@ def hang_of(attempt: Attempt, now) -> diagnosis.Hang | None:
     started = attempt.running_at or attempt.started_at
     if started is None or (now - started).total_seconds() < seconds:
         return None
-    last = dict(
-        LogLine.objects.filter(job_id=attempt.job_id, attempt_id=attempt.pk)
-        .exclude(stream=Stream.SYSTEM)
-        .values_list("rank")
-        .annotate(last=Max("ts"))
-        .values_list("rank", "last")
-    )
-    stamp = {rank: ts.timestamp() for rank, ts in last.items()}
+    stamp = {}
+    for rank in range(len(attempt.ranks)):
+        # Each rank's last line from the (attempt, rank, rank_seq) index: no scan of a long log.
+        last = LogLine.objects.filter(attempt_id=attempt.pk, rank=rank).order_by("-rank_seq")
+        ts = last.exclude(stream=Stream.SYSTEM).values_list("ts", flat=True).first()
+        if ts is not None:
+            stamp[rank] = ts.timestamp()
     return diagnosis.hang_suspected(
         stamp, now.timestamp(), started.timestamp(), seconds, len(attempt.ranks), gpus_idle(attempt)
     )
