@@ -121,6 +121,10 @@ def test_a_rank_silent_while_the_other_prints_is_flagged_once(db, project, owner
     assert JobEvent.objects.filter(job=attempt.job, kind="hang_suspected").count() == 1
     assert api_client(owner).get(f"/api/v1/jobs/{attempt.job_id}/").json()["hang_suspected"]["ranks"] == [1]
     assert attempt.state == AttemptState.RUNNING  # only flagged: stop_on_hang is off by default
+    browser = Client()
+    browser.force_login(owner)
+    page = browser.get(f"/jobs/{attempt.job_id}/").content.decode()
+    assert 'id="job-hang"' in page and "Hang suspected" in page and "rank 1 silent" in page
 
 
 def test_stop_on_hang_ends_the_attempt_as_the_jobs_failure(db, project, owner, settings):

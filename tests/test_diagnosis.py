@@ -31,6 +31,7 @@ TABLE = [
     ("nan_anomaly", "nan_loss", 0, "returned nan values", "clip gradients"),
     ("module_not_found", "import_error", 0, "No module named 'transformerz'", "'transformerz' is not installed"),
     ("file_not_found", "file_not_found", 0, "data/train.csv", "working directory"),
+    ("permission_denied", "permission", 0, "Permission denied: '/root/.hangar-not-yours'", "may not read or write"),
     ("deep_torch", "python_exception", 0, "train.py:12 in forward", "mat1 and mat2 shapes"),
     ("segfault", "segfault", None, "SIGSEGV", "PYTHONFAULTHANDLER"),
     ("segfault_faulthandler", "segfault", 0, "Segmentation fault", "PYTHONFAULTHANDLER"),
