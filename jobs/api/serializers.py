@@ -453,8 +453,11 @@ class JobSerializer(serializers.ModelSerializer):
     def latest(self, job: Job) -> Attempt | None:
         if self.context.get("created"):
             return None
-        attempts = list(job.attempts.all())  # prefetched with the job where a page lists many
-        return max(attempts, key=lambda a: a.number) if attempts else None
+        memo = self.__dict__.setdefault("_latest", {})  # diagnosis and hang read it: one query at most
+        if job.pk not in memo:
+            attempts = list(job.attempts.all())  # prefetched with the job where a page lists many
+            memo[job.pk] = max(attempts, key=lambda a: a.number) if attempts else None
+        return memo[job.pk]
 
     @extend_schema_field(DiagnosisSerializer(allow_null=True))
     def get_diagnosis(self, job: Job) -> dict | None:
