@@ -356,7 +356,8 @@ def abort_signal(line: Line | None, lines: list[Line], ending: Ending) -> Signal
     traced = any(strip(x.text).startswith("Traceback") for x in own)
     after_work = own and line is not None and own[-1] == line and len(own) >= 2
     evidence = tuple(x for x in (own[-2] if after_work else None, line) if x is not None)
-    if ending.world_size > 1 and not traced and (after_work or line is None):
+    quiet = line is None or "without an active exception" in line.text  # not a C++ exception's abort
+    if ending.world_size > 1 and not traced and quiet and (after_work or line is None):
         summary = f"rank {rank} aborted at exit after its last output (no barrier before destroy_process_group?)"
         return Signal(ABORT, line or Line(0, ""), summary, BARRIER_HINT, evidence, "medium")
     hint = "The process aborted (SIGABRT): the lines before the abort say which library gave up and why"
@@ -378,9 +379,19 @@ def rank_signals(lines: list[Line], ending: Ending) -> list[Signal]:
     out = []
     for rank_lines in by_rank.values():
         traced = {t.exc_line.seq for t in tracebacks(rank_lines)}
-        out.extend(exception_signal(t, ending) for t in tracebacks(rank_lines))
-        out.extend(s for s in line_signals(rank_lines, ending) if s.line.seq not in traced)
+        mine = [exception_signal(t, ending) for t in tracebacks(rank_lines)]
+        mine += [s for s in line_signals(rank_lines, ending) if s.line.seq not in traced]
+        out.extend(without_follow_on_aborts(mine))
     return out
+
+
+def without_follow_on_aborts(signals: list[Signal]) -> list[Signal]:
+    """An abort after a collective or communication error on the same rank is how the library gave
+    up on that error (NCCL's watchdog aborts the process): the error is the diagnosis, not the abort."""
+    first_comm = min((s.line.seq for s in signals if s.category in FOLLOW_ON), default=None)
+    if first_comm is None:
+        return signals
+    return [s for s in signals if not (s.category == ABORT and s.line.seq > first_comm)]
 
 
 # --- the whole attempt --------------------------------------------------------------------

@@ -160,3 +160,20 @@ def test_an_nccl_error_only_the_jobs_output_claims_has_low_confidence():
 
     assert found.category == "network_error" and found.confidence == "low"
     assert "reported only by the job's output" in found.summary
+
+
+def test_an_nccl_watchdog_timeout_that_aborts_the_process_is_a_collective_timeout():
+    # The shape of torch's NCCL watchdog output (ProcessGroupNCCL.cpp); no NCCL on this machine to capture it.
+    texts = [
+        "[rank1]:[E1201 09:12:00.000000 123 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, NumelIn=1024, Timeout(ms)=600000) ran for "
+        "600012 milliseconds before timing out.",
+        "terminate called after throwing an instance of 'c10::DistBackendError'",
+        "  what():  [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception",
+    ]
+    lines = [Line(i, t, rank=1, stream="stderr") for i, t in enumerate(texts, 1)]
+
+    found = diagnose(lines, Ending(exit_code=134, world_size=2))
+
+    assert found.category == "collective_timeout" and found.first_failing_rank == 1
+    assert "dist.barrier()" not in found.hint
