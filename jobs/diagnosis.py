@@ -410,19 +410,31 @@ def diagnose(lines: list[Line], ending: Ending, events: list[Event] = ()) -> Dia
         chosen = Signal(GPU_FAULT, chosen.line, chosen.summary + " (not corroborated by the node: the job's failure)",
                         "The node's re-check and driver saw no fault: look at the job's own error", chosen.lines,
                         "low")  # fmt: skip
-    confidence, summary = chosen.confidence, chosen.summary
+    confidence, summary, rank = chosen.confidence, chosen.summary, chosen.line.rank
+    evidence = list(chosen.lines or (chosen.line,))
     if chosen.category in FOLLOW_ON and ending.world_size > 1:
         confidence = "medium"  # no rank shows a cause: a peer may have died without a word
+        if (gone := vanished_peer(lines, chosen.line)) is not None:
+            rank, evidence = gone.rank, [gone, *evidence]
+            how = strip(gone.text).removeprefix("[hangar] ")
+            summary = f"rank {gone.rank} {how} first, with no error in its output; then {summary}"
     if chosen.category == NETWORK_ERROR and any(e.source == "output" and not trusted(e) for e in events):
         confidence, summary = "low", summary + " (reported only by the job's output; the node saw nothing)"
-    return Diagnosis(
-        chosen.category,
-        summary,
-        chosen.hint,
-        confidence,
-        chosen.line.rank,
-        [ref(x) for x in (chosen.lines or (chosen.line,))],
-    )
+    return Diagnosis(chosen.category, summary, chosen.hint, confidence, rank, [ref(x) for x in evidence])
+
+
+_EXITED = re.compile(r"^\[hangar\] (?:exited with code [1-9]\d*|killed by SIG\w+)")
+
+
+def vanished_peer(lines: list[Line], follow_on: Line) -> Line | None:
+    """Another rank's exit that the agent recorded (its `[hangar] exited ...` line) before a rank
+    reported losing a peer: the rank that vanished is the first to fail."""
+    for line in sorted(lines, key=lambda x: x.seq):
+        if line.seq >= follow_on.seq:
+            return None
+        if line.stream == "system" and line.rank != follow_on.rank and _EXITED.match(line.text):
+            return line
+    return None
 
 
 def choose(signals: list[Signal]) -> Signal | None:

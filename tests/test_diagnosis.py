@@ -177,3 +177,18 @@ def test_an_nccl_watchdog_timeout_that_aborts_the_process_is_a_collective_timeou
 
     assert found.category == "collective_timeout" and found.first_failing_rank == 1
     assert "dist.barrier()" not in found.hint
+
+
+def test_a_peer_that_vanished_without_a_word_is_named_first_failing_rank():
+    lines, data = case("gloo_peer_vanishes")
+    # What rank 1's agent writes when its process exits (jobs/execution.py Runner.exited), stored
+    # before rank 0 reports the lost connection.
+    error = next(x for x in lines if x.rank == 0 and "Connection reset by peer" in x.text)
+    exited = Line(error.seq, "[hangar] exited with code 1", 1, "node-1", "system", 7)
+    lines = [x if x.seq < error.seq else Line(x.seq + 1, x.text, x.rank, x.node, x.stream, 7) for x in lines]
+
+    found = diagnose([*lines, exited], failed(data))
+
+    assert found.category == "network_error" and found.first_failing_rank == 1
+    assert found.summary.startswith("rank 1 exited with code 1 first, with no error in its output")
+    assert found.evidence[0]["text"] == "[hangar] exited with code 1"
