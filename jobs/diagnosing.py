@@ -35,8 +35,9 @@ def store(attempt_id: int) -> dict | None:
         if attempt is None or attempt.state in STARTED_ATTEMPT_STATES or attempt.state == AttemptState.SUCCEEDED:
             return None
         found = diagnosis.diagnose(load_lines(attempt), ending(attempt), health_events(attempt)).as_json()
-        if hang := attempt.diagnosis.get("hang_suspected"):
-            found["hang_suspected"] = hang
+        for key in ("hang_suspected", "straggler"):
+            if key in attempt.diagnosis:
+                found[key] = attempt.diagnosis[key]
         Attempt.objects.filter(pk=attempt_id).update(diagnosis=found)
     except Exception:
         log.exception("attempt %s: no diagnosis", attempt_id)
@@ -99,7 +100,8 @@ _next_check = 0.0
 
 def check_hangs(now=None, force: bool = False) -> list[int]:
     """Flag running attempts with a rank silent for HANGAR_HANG_SECONDS while the others print (or all
-    silent with idle GPUs); stop those whose job asks for it. Returns the attempts newly flagged.
+    silent with idle GPUs), and multi-rank attempts with a straggler (a rank whose printed step lags
+    the others'); stop hung ones whose job asks for it. Returns the attempts newly flagged hung.
     The reconciler calls it every pass; it looks at most ten times per HANGAR_HANG_SECONDS."""
     global _next_check
     if not force and time.monotonic() < _next_check:
@@ -108,28 +110,45 @@ def check_hangs(now=None, force: bool = False) -> list[int]:
     now = now or timezone.now()
     flagged = []
     running = Attempt.objects.filter(state=AttemptState.RUNNING).select_related("job")
-    for attempt in running.exclude(diagnosis__has_key="hang_suspected"):
-        hang = hang_of(attempt, now)
-        if hang is not None and flag(attempt, hang, now):
-            flagged.append(attempt.pk)
+    for attempt in running.exclude(diagnosis__has_keys=["hang_suspected", "straggler"]):
+        last = last_lines(attempt)
+        if "hang_suspected" not in attempt.diagnosis and (hang := hang_of(attempt, now, last)) is not None:
+            if flag(attempt, "hang_suspected", hang.ranks, hang.summary, now):
+                flagged.append(attempt.pk)
+                if attempt.job.stop_on_hang:
+                    stop_hung(attempt, hang)
+                continue
+        if "straggler" not in attempt.diagnosis and (lag := straggler_of(last)) is not None:
+            flag(attempt, "straggler", lag.ranks, lag.summary, now)
     return flagged
 
 
-def hang_of(attempt: Attempt, now) -> diagnosis.Hang | None:
+def last_lines(attempt: Attempt) -> dict[int, tuple[float, str]]:
+    """Each rank's last line of output (time, text), from the (attempt, rank, rank_seq) index: no
+    scan of a long log."""
+    out = {}
+    for rank in range(len(attempt.ranks)):
+        rows = LogLine.objects.filter(attempt_id=attempt.pk, rank=rank).exclude(stream=Stream.SYSTEM)
+        row = rows.order_by("-rank_seq").values_list("ts", "text").first()
+        if row is not None:
+            out[rank] = (row[0].timestamp(), row[1])
+    return out
+
+
+def hang_of(attempt: Attempt, now, last: dict[int, tuple[float, str]]) -> diagnosis.Hang | None:
     seconds = settings.HANGAR_HANG_SECONDS
     started = attempt.running_at or attempt.started_at
     if started is None or (now - started).total_seconds() < seconds:
         return None
-    stamp = {}
-    for rank in range(len(attempt.ranks)):
-        # Each rank's last line from the (attempt, rank, rank_seq) index: no scan of a long log.
-        last = LogLine.objects.filter(attempt_id=attempt.pk, rank=rank).order_by("-rank_seq")
-        ts = last.exclude(stream=Stream.SYSTEM).values_list("ts", flat=True).first()
-        if ts is not None:
-            stamp[rank] = ts.timestamp()
+    stamps = {rank: ts for rank, (ts, _) in last.items()}
     return diagnosis.hang_suspected(
-        stamp, now.timestamp(), started.timestamp(), seconds, len(attempt.ranks), gpus_idle(attempt)
+        stamps, now.timestamp(), started.timestamp(), seconds, len(attempt.ranks), gpus_idle(attempt)
     )
+
+
+def straggler_of(last: dict[int, tuple[float, str]]) -> diagnosis.Hang | None:
+    steps = {rank: step for rank, (_, text) in last.items() if (step := diagnosis.step_of(text)) is not None}
+    return diagnosis.straggling(steps)
 
 
 def gpus_idle(attempt: Attempt) -> bool | None:
@@ -145,17 +164,17 @@ def gpus_idle(attempt: Attempt) -> bool | None:
     return all(v < 5 for v in values)
 
 
-def flag(attempt: Attempt, hang: diagnosis.Hang, now) -> bool:
-    note = {"ranks": list(hang.ranks), "summary": hang.summary, "at": now.isoformat()}
+def flag(attempt: Attempt, key: str, ranks: tuple[int, ...], summary: str, now) -> bool:
+    """Note a flag (hang_suspected, straggler) on the running attempt once, with a job event."""
+    note = {"ranks": list(ranks), "summary": summary, "at": now.isoformat()}
     with transaction.atomic():
         row = Attempt.objects.select_for_update().filter(pk=attempt.pk, state=AttemptState.RUNNING).first()
-        if row is None or "hang_suspected" in row.diagnosis:
+        if row is None or key in row.diagnosis:
             return False
-        Attempt.objects.filter(pk=attempt.pk).update(diagnosis={**row.diagnosis, "hang_suspected": note})
-        JobEvent.objects.create(job_id=attempt.job_id, attempt=attempt, kind="hang_suspected", message=hang.summary)
-    log.warning("attempt %s of job %s: hang suspected: %s", attempt.number, attempt.job_id, hang.summary)
-    if attempt.job.stop_on_hang:
-        stop_hung(attempt, hang)
+        Attempt.objects.filter(pk=attempt.pk).update(diagnosis={**row.diagnosis, key: note})
+        JobEvent.objects.create(job_id=attempt.job_id, attempt=attempt, kind=key, message=summary)
+    attempt.diagnosis = {**attempt.diagnosis, key: note}
+    log.warning("attempt %s of job %s: %s: %s", attempt.number, attempt.job_id, key, summary)
     return True
 
 

@@ -79,7 +79,7 @@ def test_the_schema_declares_the_diagnosis(db, owner):
     assert "Diagnosis" in text and "first_failing_rank" in text and "hang_suspected" in text
 
 
-def lines(attempt, rank: int, ago: float, count: int = 1) -> None:
+def lines(attempt, rank: int, ago: float, count: int = 1, first_step: int = 0) -> None:
     at = timezone.now() - timedelta(seconds=ago)
     start = LogLine.objects.filter(attempt=attempt).count()
     LogLine.objects.bulk_create(
@@ -92,7 +92,7 @@ def lines(attempt, rank: int, ago: float, count: int = 1) -> None:
             rank_seq=start + i + 1,
             stream=Stream.STDOUT,
             ts=at,
-            text=f"step {i}",
+            text=f"step {first_step + i}",
         )  # fmt: skip
         for i in range(count)
     )
@@ -139,3 +139,18 @@ def test_stop_on_hang_ends_the_attempt_as_the_jobs_failure(db, project, owner, s
     assert attempt.reason.startswith("stopped: hang suspected")
     assert attempt.job.__class__.objects.get(pk=attempt.job_id).state == JobState.FAILED
     assert diagnosing.store(attempt.pk)["category"] == "hang"
+
+
+def test_a_rank_whose_steps_lag_is_flagged_as_a_straggler(db, project, owner, settings):
+    settings.HANGAR_HANG_SECONDS = 600  # nobody is silent: a straggler is no hang
+    attempt = two_rank_attempt(project, owner)
+    lines(attempt, 0, ago=1, first_step=200)
+    lines(attempt, 1, ago=1, first_step=120)
+
+    assert diagnosing.check_hangs(force=True) == []
+
+    attempt.refresh_from_db()
+    assert attempt.diagnosis["straggler"]["ranks"] == [1] and "hang_suspected" not in attempt.diagnosis
+    body = api_client(owner).get(f"/api/v1/jobs/{attempt.job_id}/").json()
+    assert body["attempts"][0]["straggler"]["summary"].startswith("straggler: rank 1 at step 120")
+    assert JobEvent.objects.filter(job=attempt.job, kind="straggler").count() == 1

@@ -192,3 +192,27 @@ def test_a_peer_that_vanished_without_a_word_is_named_first_failing_rank():
     assert found.category == "network_error" and found.first_failing_rank == 1
     assert found.summary.startswith("rank 1 exited with code 1 first, with no error in its output")
     assert found.evidence[0]["text"] == "[hangar] exited with code 1"
+
+
+@pytest.mark.parametrize(
+    ("steps", "slow"),
+    [
+        ({0: 100, 1: 98, 2: 60}, (2,)),
+        ({0: 100, 1: 97}, None),  # within the fraction
+        ({0: 4, 1: 1}, None),  # too early to tell
+        ({0: 100}, None),
+    ],
+)
+def test_a_straggler_is_a_rank_whose_step_lags_the_leader(steps, slow):
+    found = diagnosis.straggling(steps)
+
+    assert (found.ranks if found else None) == slow
+
+
+def test_step_numbers_are_read_from_training_lines():
+    assert [diagnosis.step_of(t) for t in ("step 120 loss 0.3", "iter=7", "global_step: 9", "epoch 1")] == [
+        120,
+        7,
+        9,
+        None,
+    ]

@@ -286,7 +286,7 @@ class DiagnosisSerializer(serializers.Serializer):
 
 
 class HangSerializer(serializers.Serializer):
-    ranks = serializers.ListField(child=serializers.IntegerField(), help_text="The silent ranks.")
+    ranks = serializers.ListField(child=serializers.IntegerField(), help_text="The ranks flagged: silent, or behind.")
     summary = serializers.CharField()
     at = serializers.DateTimeField()
 
@@ -298,8 +298,8 @@ def diagnosis_of(attempt: Attempt | None) -> dict | None:
     return {k: found[k] for k in ("category", "summary", "hint", "confidence", "first_failing_rank", "evidence")}
 
 
-def hang_of(attempt: Attempt | None) -> dict | None:
-    return (attempt.diagnosis or {}).get("hang_suspected") if attempt is not None else None
+def hang_of(attempt: Attempt | None, key: str = "hang_suspected") -> dict | None:
+    return (attempt.diagnosis or {}).get(key) if attempt is not None else None
 
 
 class AttemptSerializer(serializers.ModelSerializer):
@@ -308,6 +308,7 @@ class AttemptSerializer(serializers.ModelSerializer):
     running_seconds = serializers.FloatField(read_only=True)
     diagnosis = serializers.SerializerMethodField()
     hang_suspected = serializers.SerializerMethodField()
+    straggler = serializers.SerializerMethodField()
 
     class Meta:
         model = Attempt
@@ -331,6 +332,7 @@ class AttemptSerializer(serializers.ModelSerializer):
             "running_seconds",
             "diagnosis",
             "hang_suspected",
+            "straggler",
         ]
 
     @extend_schema_field(DiagnosisSerializer(allow_null=True))
@@ -340,6 +342,10 @@ class AttemptSerializer(serializers.ModelSerializer):
     @extend_schema_field(HangSerializer(allow_null=True))
     def get_hang_suspected(self, attempt: Attempt) -> dict | None:
         return hang_of(attempt)
+
+    @extend_schema_field(HangSerializer(allow_null=True))
+    def get_straggler(self, attempt: Attempt) -> dict | None:
+        return hang_of(attempt, "straggler")
 
 
 class JobSerializer(serializers.ModelSerializer):
