@@ -477,6 +477,10 @@ def by_ending(ending: Ending, events: list[Event]) -> Diagnosis | None:
     if ending.failure_class == "infra" and faults:
         e = faults[0]
         evidence = [{"health_event": e.pk, "node": e.node, "text": e.message}]
+        if e.kind == "nccl":  # the node's network, corroborated: infra too
+            hint = "The node's network failed (corroborated): the attempt is requeued elsewhere; nothing to change"
+            return Diagnosis(NETWORK_ERROR, f"NCCL failure on {e.node or 'its node'}: {e.message}", hint, "high",
+                             None, evidence)  # fmt: skip
         return Diagnosis(GPU_FAULT, f"{e.kind} on {e.node or 'its node'}: {e.message}", gpu_hint(), "high", None,
                          evidence)  # fmt: skip
     if ending.state == "lost" or re.search(r"went offline|lease expired|agent restarted|not started", ending.reason):

@@ -106,6 +106,11 @@ def test_a_cuda_oom_names_what_was_tried_and_what_was_free():
             [Event("ecc", "GPU 1: 1 uncorrectable ECC errors", "node-a", "cordoned, job stopped")],
             "gpu_fault",
         ),  # fmt: skip
+        (
+            Ending("failed", "infra", 1, "exited with code 1 after a health event on its GPUs: NCCL"),
+            [Event("nccl", "NCCL reported an unhandled error", "node-a", "cordoned, job stopped", "output")],
+            "network_error",
+        ),
         (Ending("failed", "user", 137, "killed by SIGKILL (exit code 137)", memory_limit_mb=2048), [], "host_oom"),
         (Ending("failed", "user", 3, "exited with code 3"), [], "unknown"),
     ],

@@ -170,9 +170,12 @@ def test_two_users_jobs_reporting_the_same_nccl_error_on_one_node_cordon_it(stac
     second = submit(stack, "bob", code)
     wait_until(lambda: node(stack, "node-a")["state"] == "cordoned", 30, "node-a cordoned", stack)
     release()
-    finished(stack, second["id"])
+    done = finished(stack, second["id"])
 
     assert "jobs of 2 different users reported it here" in node(stack, "node-a")["state_reason"]
+    first_attempt = done["attempts"][0]  # ended by the corroborated fault: the node's, not bob's
+    assert first_attempt["failure_class"] == "infra", first_attempt
+    assert first_attempt["diagnosis"]["category"] == "network_error", first_attempt
     assert node(stack, "node-b")["state"] == "ready"
 
 
