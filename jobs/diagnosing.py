@@ -20,6 +20,7 @@ from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureCl
 log = logging.getLogger("hangar.diagnosis")
 
 TAIL_PER_RANK = 300  # the last lines of each rank: where a rank's error usually is
+HEAD_PER_RANK = 200  # and its first: where a loss that turned NaN early, or a bad start, shows
 ERRORS = 300  # plus the attempt's first error and fault lines: where the first failure usually is
 STREAMS = {Stream.SYSTEM: "system", Stream.STDOUT: "stdout", Stream.STDERR: "stderr"}
 
@@ -55,9 +56,10 @@ def load_lines(attempt: Attempt) -> list[diagnosis.Line]:
     for row in errors.values("seq", "rank", "stream", "text", "node__name"):
         wanted[row["seq"]] = row
     for rank in range(len(attempt.ranks)):
-        tail = lines.filter(rank=rank).order_by("-seq")[:TAIL_PER_RANK]
-        for row in tail.values("seq", "rank", "stream", "text", "node__name"):
-            wanted[row["seq"]] = row
+        mine = lines.filter(rank=rank)  # by rank_seq: the (attempt, rank, rank_seq) index, both ends
+        for part in (mine.order_by("rank_seq")[:HEAD_PER_RANK], mine.order_by("-rank_seq")[:TAIL_PER_RANK]):
+            for row in part.values("seq", "rank", "stream", "text", "node__name"):
+                wanted[row["seq"]] = row
     return [
         diagnosis.Line(r["seq"], r["text"], r["rank"], r["node__name"] or "", STREAMS.get(r["stream"], ""), attempt.pk)
         for r in (wanted[s] for s in sorted(wanted))
