@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from tests.browsing import shoot
 from tests.test_browser import stack  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.e2e
@@ -41,3 +42,4 @@ def test_the_panel_says_why_and_jumps_to_the_evidence(browser, stack):  # noqa: 
 
     page.wait_for_selector(f'#log .line[data-seq="{seq}"]', state="visible", timeout=10000)
     assert "step 5 loss nan" in page.inner_text(f'#log .line[data-seq="{seq}"]')
+    shoot(page, "diagnosis")
