@@ -450,7 +450,10 @@ class HealthEvent(models.Model):
         recent = 0
         if rule is not None and rule.action == health.Action.TREND:
             since = timezone.now() - timedelta(minutes=rule.window_minutes)
-            recent = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since).count()
+            same = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since)
+            if finding.source == health.Source.TELEMETRY:  # what jobs print never adds to the driver's trend
+                same = same.filter(source=health.Source.TELEMETRY)
+            recent = same.count()
         backing = corroborating.load(node, finding, attempt, recheck)
         decision = health.decide(finding, health_policy(), rule, recent, backing)
         event = cls.objects.create(

@@ -218,3 +218,18 @@ def test_evidence_from_before_the_node_returned_to_service_does_not_count(sim_ag
     observe_output(run_on(project, owner).attempt, XID_LINE)
 
     assert state(sim_agent.node) == NodeState.READY
+
+
+def test_printed_xids_do_not_count_towards_the_drivers_trend(sim_agent, run_on, project, owner, settings):
+    settings.HANGAR_XID_STORM_SECONDS = 0
+    from fleet.health import Finding
+    from fleet.models import XidPolicy
+
+    XidPolicy.objects.filter(xid=94).update(threshold=2)
+    for user_job in range(2):
+        agent_module._seen_in_output.clear()
+        observe_output(run_on(project, owner, gpus=(user_job,)).attempt, "NVRM: Xid (PCI:0000:3b:00): 94, contained")
+
+    HealthEvent.record(sim_agent.node, Finding("xid", "critical", "GPU 0: Xid 94", gpu_index=0, xid=94))
+
+    assert state(sim_agent.node) == NodeState.READY  # one driver report of a trend Xid: below its threshold
