@@ -170,11 +170,24 @@ class Agent:
             if fault.kind == "agent_silent":
                 self.silent_until = time.monotonic() + fault.seconds
             elif fault.kind == "nccl":
+                self.report_injected_nccl(fault.gpu_index)
                 inject_nccl_failure(fault.gpu_index)
             elif hasattr(self.provider, "inject"):
                 self.provider.inject(fault.kind, fault.gpu_index, fault.xid, fault.seconds)
             if fault.kind == "clear":
                 self.silent_until = 0.0
+
+    def report_injected_nccl(self, gpu_index: int | None) -> None:
+        """An injected NCCL failure is the simulated node's own report (like the driver's), recorded
+        before its line reaches the jobs' output, where it would be only a suspicion."""
+        where = f"GPU {gpu_index}" if gpu_index is not None else "every GPU"
+        finding = health.Finding(
+            health.Kind.NCCL, "critical", f"{where}: simulated NCCL failure", gpu_index, None, {"injected": True}
+        )
+        try:
+            handle_finding(self.node, finding)
+        except Exception:
+            log.exception("node %s: injected NCCL failure not recorded", self.name)
 
     def heartbeat_forever(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_seconds):

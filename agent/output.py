@@ -316,7 +316,7 @@ class LogWriter(threading.Thread):
         else:
             text = decode_line(raw, truncated=flag)
             severity = self.severity[stream](text)
-            observe_output(self.attempt, text)  # NCCL/ECC/Xid in the job's output: fleet health
+            observe_output(self.attempt, text, self.rank, self.read + 1)  # NCCL/ECC/Xid: fleet health
         attempt = self.attempt
         self.read += 1
         return NewLine(

@@ -57,8 +57,8 @@ class FaultInjectionAdmin(admin.ModelAdmin):
 
 @admin.register(HealthEvent)
 class HealthEventAdmin(admin.ModelAdmin):
-    list_display = ["at", "node", "kind", "severity", "gpu_index", "xid", "message", "action"]
-    list_filter = ["kind", "severity"]
+    list_display = ["at", "node", "kind", "severity", "gpu_index", "xid", "message", "action", "source"]
+    list_filter = ["kind", "severity", "source"]
     list_select_related = ["node"]
 
 

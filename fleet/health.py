@@ -24,6 +24,13 @@ class Kind:
     PREFLIGHT = "preflight"
 
 
+class Source:
+    """Where a finding was seen: the node's own driver and telemetry, or a job's output (untrusted)."""
+
+    TELEMETRY = "telemetry"
+    OUTPUT = "output"
+
+
 class Action:
     CORDON = "cordon"
     TREND = "trend"
@@ -59,6 +66,7 @@ class Finding:
     gpu_index: int | None = None
     xid: int | None = None
     evidence: dict = field(default_factory=dict)
+    source: str = Source.TELEMETRY
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,27 @@ class Decision:
     cordon: bool
     stop_job: bool
     why: str
+    suspected: bool = False  # seen only in a job's output and not corroborated: the node stays ready
+    evidence: tuple[str, ...] = ()  # what corroborated a finding from a job's output
+
+
+@dataclass(frozen=True)
+class Corroboration:
+    """What backs (or not) a finding seen in a job's output; `fleet.evidence` loads it.
+
+    A job is untrusted: the text it prints is a suspicion, and cordons its node only
+    with evidence from somewhere else: the agent's immediate re-check of the node's
+    GPUs, the driver's own reports, or jobs of several users seeing the same there.
+    """
+
+    recheck_failures: tuple[str, ...] = ()  # failed checks of the agent's re-check of the node's GPUs
+    rechecked: bool = False  # whether a re-check ran at all (only the node's own agent can run one)
+    driver_reports: tuple[str, ...] = ()  # driver/telemetry findings on the node within the window
+    reporters: int = 1  # distinct users (or projects, whichever is more) whose jobs reported it there
+    needed_reporters: int = 2
+    window_seconds: float = 600.0
+    reported_first_on: str = ""  # another node of the same attempt reported it first: the evidence points there
+    follows_job: str = ""  # the same job reported it on another node before: it follows the job, not the node
 
 
 @dataclass(frozen=True)
@@ -83,8 +112,51 @@ class XidRule:
     window_minutes: int = DEFAULT_XID_WINDOW_MINUTES
 
 
-def decide(finding: Finding, policy: Policy, xid_rule: XidRule | None = None, recent_same_xid: int = 0) -> Decision:
-    """What to do about a finding. `recent_same_xid` counts earlier events of the same Xid in the rule's window."""
+def decide(
+    finding: Finding,
+    policy: Policy,
+    xid_rule: XidRule | None = None,
+    recent_same_xid: int = 0,
+    corroboration: Corroboration | None = None,
+) -> Decision:
+    """What to do about a finding. `recent_same_xid` counts earlier events of the same Xid in the rule's window.
+    A finding from a job's output cordons only when `corroboration` backs it (see `weigh_suspicion`)."""
+    decision = decide_fault(finding, policy, xid_rule, recent_same_xid)
+    if finding.source != Source.OUTPUT or not decision.cordon:
+        return decision
+    return weigh_suspicion(decision, corroboration or Corroboration())
+
+
+def weigh_suspicion(fault: Decision, c: Corroboration) -> Decision:
+    """A finding from a job's output that would cordon a node: cordon only with evidence beyond the
+    output; otherwise the node stays ready and the decision says why. The job may still be stopped
+    (and requeued away from the node), unless the finding follows the job from node to node."""
+    if c.reported_first_on:
+        return Decision(False, False, f"not cordoned: {c.reported_first_on} reported it first", suspected=True)
+    if c.follows_job:
+        why = f"not cordoned, job not stopped: {c.follows_job}; it follows the job, not the node"
+        return Decision(False, False, why, suspected=True)
+    evidence = []
+    if c.recheck_failures:
+        evidence.append("the agent's re-check failed: " + "; ".join(c.recheck_failures))
+    if c.driver_reports:
+        evidence.append("the driver reports: " + "; ".join(c.driver_reports))
+    if c.reporters >= c.needed_reporters:
+        evidence.append(f"jobs of {c.reporters} different users reported it here within {c.window_seconds:g}s")
+    if evidence:
+        return Decision(
+            True, fault.stop_job, f"{fault.why}; corroborated: " + "; ".join(evidence), False, tuple(evidence)
+        )
+    checked = "the agent's re-check passed" if c.rechecked else "no re-check could run"
+    why = (
+        f"not cordoned: seen only in the job's output ({checked}; the driver reports nothing; "
+        f"{c.reporters} of {c.needed_reporters} users' jobs reported it within {c.window_seconds:g}s)"
+    )
+    return Decision(False, fault.stop_job, why, suspected=True)
+
+
+def decide_fault(finding: Finding, policy: Policy, xid_rule: XidRule | None, recent_same_xid: int) -> Decision:
+    """What a fault means for a node if it is real: the data-driven tables (cordon kinds, the Xid table)."""
     if finding.kind == Kind.XID:
         rule = xid_rule or XidRule(Action.TREND)
         if rule.action == Action.CORDON:
@@ -119,11 +191,18 @@ def scan_line(text: str) -> Finding | None:
     evidence = {"line": text[:500]}
     if match := _XID_LINE.search(text):
         xid = int(match.group(1))
-        return Finding(Kind.XID, "critical", f"Xid {xid} in the job's output", xid=xid, evidence=evidence)
+        message = f"Xid {xid} in the job's output"
+        return Finding(Kind.XID, "critical", message, xid=xid, evidence=evidence, source=Source.OUTPUT)
     for pattern, kind, message in _PATTERNS:
         if pattern.search(text):
-            return Finding(kind, "critical", message, evidence=evidence)
+            return Finding(kind, "critical", message, evidence=evidence, source=Source.OUTPUT)
     return None
+
+
+def storm_repeat(last_same_at: float | None, now: float, window_seconds: float) -> bool:
+    """The storm limiter: the same Xid from one GPU's telemetry counts once per window
+    (a harmless Xid 45 storm must not flood events, nor count towards a trend)."""
+    return last_same_at is not None and now - last_same_at < window_seconds
 
 
 # --- Telemetry -----------------------------------------------------------------------

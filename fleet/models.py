@@ -391,6 +391,11 @@ class HealthEvent(models.Model):
     message = models.TextField()
     evidence = models.JSONField(default=dict, blank=True)
     action = models.CharField(max_length=64, blank=True, help_text="What the policy did: cordoned, job stopped, ...")
+    source = models.CharField(
+        max_length=16,
+        default=health.Source.TELEMETRY,
+        help_text="telemetry (the driver) or output (a job's, untrusted)",
+    )
     at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -416,21 +421,34 @@ class HealthEvent(models.Model):
         on_its_gpus = models.Q(attempt__isnull=True) & (models.Q(gpu_index__isnull=True) | models.Q(gpu_index__in=gpus))
         return (
             cls.objects.filter(own | on_its_gpus, node_id=node_id, at__gte=started, action__contains=cls.JOB_STOPPED)
+            .exclude(action__contains=cls.SUSPECTED)  # a line the job printed itself does not make its exit infra
             .order_by("at")
             .first()
         )
 
+    SUSPECTED = "suspected"  # in `action`: seen only in a job's output, not corroborated
+
     @classmethod
-    def record(cls, node: Node, finding: health.Finding, attempt=None) -> tuple["HealthEvent", health.Decision]:
-        """Store the finding and apply the policy to the node: cordon it when the decision says so."""
+    def record(
+        cls, node: Node, finding: health.Finding, attempt=None, recheck: tuple[bool, list[str]] | None = None
+    ) -> tuple["HealthEvent", health.Decision]:
+        """Store the finding and apply the policy to the node: cordon it when the decision says so.
+        A finding from a job's output is weighed against the corroborating evidence (`fleet.corroboration`);
+        `recheck` is the agent's re-check of the node's GPUs (ran, failures), when one ran."""
+        from fleet import corroboration as corroborating
+
+        if (repeat := corroborating.storm_repeat(node, finding)) is not None:
+            return repeat, health.Decision(False, False, "the same Xid within the storm window: counted once")
         rule = XidPolicy.rule_for(finding.xid) if finding.xid is not None else None
         recent = 0
         if rule is not None and rule.action == health.Action.TREND:
             since = timezone.now() - timedelta(minutes=rule.window_minutes)
-            recent = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since).count()
-        decision = health.decide(finding, health_policy(), rule, recent)
-        actions = [a for a, on in (("cordoned", decision.cordon), (cls.JOB_STOPPED, decision.stop_job)) if on]
-        evidence = {**finding.evidence, "decision": decision.why}
+            same = cls.objects.filter(node=node, kind=health.Kind.XID, xid=finding.xid, at__gte=since)
+            if finding.source == health.Source.TELEMETRY:  # what jobs print never adds to the driver's trend
+                same = same.filter(source=health.Source.TELEMETRY)
+            recent = same.count()
+        backing = corroborating.load(node, finding, attempt, recheck)
+        decision = health.decide(finding, health_policy(), rule, recent, backing)
         event = cls.objects.create(
             node=node,
             gpu_index=finding.gpu_index,
@@ -439,12 +457,24 @@ class HealthEvent(models.Model):
             severity=finding.severity,
             xid=finding.xid,
             message=finding.message,
-            evidence=evidence,
-            action=", ".join(actions) or "recorded",
+            evidence={**finding.evidence, "decision": decision.why, **corroborating.refs(backing, decision)},
+            action=cls.action_of(decision),
+            source=finding.source,
         )
         if decision.cordon:
-            node.auto_cordon(f"{finding.message} ({decision.why})", {"health_event": event.pk, **evidence})
+            evidence = corroborating.cordon_evidence(node, event)
+            reason = f"{finding.message} ({decision.why}){corroborating.also_seen(evidence)}"
+            node.auto_cordon(reason, {"health_event": event.pk, **evidence})
         return event, decision
+
+    @classmethod
+    def action_of(cls, decision: health.Decision) -> str:
+        done = (
+            ("cordoned", decision.cordon),
+            (cls.SUSPECTED, decision.suspected),
+            (cls.JOB_STOPPED, decision.stop_job),
+        )
+        return ", ".join(a for a, on in done if on) or "recorded"
 
 
 def health_policy() -> health.Policy:

@@ -207,6 +207,7 @@ def describe(job: dict) -> str:
     ]
     if job.get("exit_code") is not None:
         head.append(f"  exit:     {job['exit_code']} ({job.get('failure_class') or 'ok'})")
+    head += describe_diagnosis(job)
     attempts = [{**a, "placement": placement_text(a)} for a in job.get("attempts", [])]
     columns = ["number", "state", "placement", "started_at", "finished_at", "exit_code", "failure_class"]
     return "\n".join(head) + ("\n\n" + table(attempts, columns) if attempts else "")
@@ -216,6 +217,23 @@ def placement_text(attempt: dict) -> str:
     """Every rank's node and GPUs: `gpu-a[0,1] gpu-b[0,1]` (rank order)."""
     ranks = attempt.get("placement") or [{"node": attempt["node"], "gpus": attempt["gpu_indices"]}]
     return " ".join(f"{r['node']}[{','.join(str(g) for g in r['gpus'])}]" for r in ranks)
+
+
+def describe_diagnosis(job: dict) -> list[str]:
+    """Why the latest attempt failed, and a suspected hang, as `hangar status` prints them."""
+    out = []
+    if hang := job.get("hang_suspected"):
+        out.append(f"  hang:     suspected: {hang['summary']}")
+    if found := job.get("diagnosis"):
+        rank = found.get("first_failing_rank")
+        out.append(
+            f"  why:      {found['category']}: {found['summary']}" + (f" (rank {rank})" if rank is not None else "")
+        )
+        out.append(f"  hint:     {found['hint']}")
+        first = (found.get("evidence") or [{}])[0]
+        if first.get("seq"):
+            out.append(f"  evidence: seq {first['seq']} rank {first.get('rank', 0)}: {first.get('text', '')[:160]}")
+    return out
 
 
 def cmd_status(args) -> int:

@@ -35,6 +35,11 @@ class JobForm(forms.Form):
     max_retries = forms.IntegerField(
         label="Retries", initial=0, required=False, help_text="Times to run it again if the command itself fails."
     )
+    stop_on_hang = forms.BooleanField(
+        label="Stop on a suspected hang",
+        required=False,
+        help_text="End the attempt when a rank stays silent while the others print (HANGAR_HANG_SECONDS).",
+    )
     max_runtime_seconds = forms.IntegerField(
         label="Max runtime (seconds)",
         initial=settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,

@@ -53,6 +53,7 @@ class QueuedJob:
     rank: int = 0
     may_preempt: bool = False
     runtime: float = 3600.0  # its max runtime: what an estimate may assume
+    avoid: frozenset[int] = frozenset()  # nodes where its own output reported a fault not (yet) corroborated
 
 
 @dataclass
@@ -285,8 +286,8 @@ class Pass:
         if (never := self.unplaceable(request)) is not None:
             self.plan.waiting[job.job_id] = never
             return
-        if request not in self.full:
-            ranks = place_gang(request, self.index, self.backfill_check(job))
+        if job.avoid or request not in self.full:
+            ranks = place_gang(request, self.index, self.allowed(job))
             if ranks is not None:
                 for reservation in self.reservations:
                     reservation.use(ranks, job.runtime)
@@ -298,9 +299,16 @@ class Pass:
                 blocker = self.reservations[0].job_id
                 self.plan.waiting[job.job_id] = Waiting("reserved", f"starting now would delay job {blocker}")
                 return
-            self.full.add(request)  # GPUs only get fewer during a pass
+            if not job.avoid:  # a job that avoids nodes says nothing of what the shape finds elsewhere
+                self.full.add(request)  # GPUs only get fewer during a pass
         if not self.preempt_for(job, borrowing):
             self.reserve(job)
+
+    def allowed(self, job: QueuedJob):
+        check = self.backfill_check(job)
+        if not job.avoid:
+            return check
+        return lambda node_id: node_id not in job.avoid and (check is None or check(node_id))
 
     def backfill_check(self, job: QueuedJob):
         if not self.reservations:

@@ -60,6 +60,7 @@ def clone_data(job) -> dict:
         volumes=[{"name": v["name"], "mode": v["mode"]} for v in job.volumes],
         preemptible=job.preemptible,
         max_retries=job.max_retries,
+        stop_on_hang=job.stop_on_hang,
     )
     return {k: v for k, v in data.items() if v not in ("", None)}
 

@@ -130,6 +130,7 @@ def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
         "environment__name", "max_runtime_seconds",
     )[:limit]  # fmt: skip
     out, classes = [], priority_classes()
+    avoid = suspected_nodes([r["pk"] for r in rows])
     for r in rows:
         cls = classes.get(r["priority"]) or priority_class(r["priority"])
         request = Request(r["gpus_per_node"], r["gpu_type"], r["nodes"], r["environment__name"] or "")
@@ -142,9 +143,24 @@ def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
                 cls.rank,
                 cls.may_preempt,
                 float(r["max_runtime_seconds"]),
+                avoid.get(r["pk"], frozenset()),
             )  # fmt: skip
         )
     return out
+
+
+def suspected_nodes(job_ids: list[int]) -> dict[int, frozenset[int]]:
+    """Nodes each job avoids: where its own output reported a fault that did not cordon the node
+    (a suspicion). A job whose output names a fault must not walk the fleet node after node."""
+    from fleet.models import HealthEvent
+
+    rows = HealthEvent.objects.filter(attempt__job_id__in=job_ids, source="output").values_list(
+        "attempt__job_id", "node_id"
+    )
+    out: dict[int, set[int]] = {}
+    for job_id, node_id in rows:
+        out.setdefault(job_id, set()).add(node_id)
+    return {job_id: frozenset(nodes) for job_id, nodes in out.items()}
 
 
 def project_limits() -> dict[int, ProjectLimits]:
@@ -266,6 +282,9 @@ def reconcile() -> None:
     Node.mark_silent_offline()
     for attempt in Attempt.expire_leases() + Attempt.expire_unstarted():
         log.warning("attempt %s of job %s ended as lost: %s", attempt.number, attempt.job_id, attempt.reason)
+    from jobs.diagnosing import check_hangs
+
+    check_hangs()
 
 
 # --- the queue as users see it ----------------------------------------------------

@@ -179,6 +179,7 @@ def create(user, checked: dict) -> Job:
             priority=checked["priority"],
             preemptible=checked.get("preemptible"),
             max_retries=checked["max_retries"],
+            stop_on_hang=checked.get("stop_on_hang", False),
             environment=checked["environment"],
             max_runtime_seconds=checked.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
             code_version=checked.get("code_version", ""),

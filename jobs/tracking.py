@@ -222,3 +222,21 @@ def ui_url(job: Job) -> str:
     if not settings.HANGAR_MLFLOW_UI_URL or not job.mlflow_run_id:
         return ""
     return f"{settings.HANGAR_MLFLOW_UI_URL}/#/experiments/{job.mlflow_experiment_id}/runs/{job.mlflow_run_id}"
+
+
+def tag_diagnosis(job_id: int, diagnosis: dict) -> None:
+    """Put an attempt's diagnosis on the job's run, so it is seen where its metrics are."""
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None or not job.mlflow_run_id or not enabled():
+        return
+    try:
+        tags = {
+            "hangar.diagnosis.category": diagnosis["category"],
+            "hangar.diagnosis": diagnosis["summary"][:4000],
+            "hangar.diagnosis.hint": diagnosis["hint"][:4000],
+        }
+        from mlflow.entities import RunTag
+
+        client().log_batch(job.mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    except Exception as exc:
+        _record_error(job_id, exc)

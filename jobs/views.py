@@ -38,8 +38,15 @@ def submit(request):
 
 
 def status_context(request, job: Job) -> dict:
+    from jobs.api.serializers import diagnosis_of, hang_of
+
+    latest = job.latest_attempt()
     return {
         "job": job,
+        "latest": latest,
+        "diagnosis": diagnosis_of(latest),
+        "hang": hang_of(latest) if latest is not None and latest.state == "running" else None,
+        "straggler": hang_of(latest, "straggler") if latest is not None and latest.state == "running" else None,
         "attempts": job.attempts.select_related("node"),
         "events": job.events.all(),
         "can_cancel": not job.is_final and can_cancel(request.user, job),

@@ -542,6 +542,14 @@ for _name, _kinds in (
         raise ImproperlyConfigured(
             f"{_name} has unknown kinds {sorted(unknown)}; use {', '.join(sorted(_HEALTH_KINDS))}"
         )
+# A fault seen only in a job's output cordons its node only when corroborated: the agent's
+# re-check fails, the driver reports it, or jobs of this many users (or projects) report it
+# there within the window. The same Xid from one GPU's telemetry counts once per storm window.
+HANGAR_CORROBORATION_USERS = env_int("HANGAR_CORROBORATION_USERS", 2, minimum=1)
+HANGAR_CORROBORATION_WINDOW_SECONDS = env_float("HANGAR_CORROBORATION_WINDOW_SECONDS", 3600.0, minimum=1.0)
+HANGAR_XID_STORM_SECONDS = env_float("HANGAR_XID_STORM_SECONDS", 60.0)
+# A rank silent this long while others print (or all silent, GPUs idle): hang suspected.
+HANGAR_HANG_SECONDS = env_float("HANGAR_HANG_SECONDS", 600.0, minimum=0.1)
 HANGAR_PREFLIGHT_MAX_TEMP_C = env_float("HANGAR_PREFLIGHT_MAX_TEMP_C", 85.0)
 HANGAR_TELEMETRY_RAW_HOURS = env_float("HANGAR_TELEMETRY_RAW_HOURS", 24.0, minimum=0.01)
 HANGAR_FLEET_POLL_SECONDS = env_float("HANGAR_FLEET_POLL_SECONDS", 2.0, minimum=0.1)

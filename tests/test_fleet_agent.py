@@ -129,6 +129,10 @@ def test_an_injected_nccl_failure_reaches_the_jobs_output(sim_agent, running_on)
 
     stream, _, raw, _ = runner.lines.get_nowait()
     assert stream == Stream.STDERR and b"NCCL WARN" in raw and b"unhandled system error" in raw
+    # The injection is the simulated node's own report, not only a line in the job's output: it cordons.
+    event = HealthEvent.objects.get()
+    assert (event.kind, event.source) == ("nccl", "telemetry") and "cordoned" in event.action
+    assert sim_agent.node.state == NodeState.CORDONED and runner.stopped is not None
 
 
 def test_a_fault_in_the_jobs_output_is_recorded_against_its_attempt(sim_agent, running_on):
@@ -139,10 +143,12 @@ def test_a_fault_in_the_jobs_output_is_recorded_against_its_attempt(sim_agent, r
     observe_output(runner.attempt, "epoch 1 loss 0.3")
 
     event = HealthEvent.objects.get()
-    assert (event.kind, event.attempt_id) == ("nccl", runner.attempt.pk)
+    assert (event.kind, event.attempt_id, event.source) == ("nccl", runner.attempt.pk, "output")
     assert runner.stopped[:2] == (AttemptState.FAILED, FailureClass.INFRA)
     sim_agent.node.refresh_from_db()
-    assert sim_agent.node.state == NodeState.CORDONED
+    # Seen only in the job's output, the re-check passed: a suspicion, the node stays ready.
+    assert sim_agent.node.state == NodeState.READY
+    assert event.action == "suspected, job stopped" and "re-check passed" in event.evidence["decision"]
 
 
 def test_an_injected_silence_stops_heartbeats_until_cleared(sim_agent):

@@ -4,7 +4,18 @@ import pytest
 
 from fleet import health
 from fleet.gpus import GpuSample
-from fleet.health import Action, Finding, Kind, Policy, XidRule, decide, scan_line, telemetry_findings
+from fleet.health import (
+    Action,
+    Corroboration,
+    Finding,
+    Kind,
+    Policy,
+    XidRule,
+    decide,
+    scan_line,
+    storm_repeat,
+    telemetry_findings,
+)
 from fleet.models import HealthEvent, NodeState, XidPolicy
 from portal.models import AuditEvent
 
@@ -112,7 +123,8 @@ def test_a_cordoning_event_cordons_the_node_with_evidence(node):
     assert audit.detail["evidence"]["health_event"] == event.pk
 
 
-def test_a_trend_xid_cordons_once_it_repeats_past_its_threshold(node):
+def test_a_trend_xid_cordons_once_it_repeats_past_its_threshold(node, settings):
+    settings.HANGAR_XID_STORM_SECONDS = 0  # each repeat counts (the storm limiter is tested below)
     XidPolicy.objects.filter(xid=94).update(threshold=2)
     finding = Finding(Kind.XID, "critical", "Xid 94", gpu_index=0, xid=94)
 
@@ -123,6 +135,21 @@ def test_a_trend_xid_cordons_once_it_repeats_past_its_threshold(node):
     second, _ = HealthEvent.record(node, finding)
     node.refresh_from_db()
     assert second.action.startswith("cordoned") and node.state == NodeState.CORDONED
+
+
+def test_an_xid_storm_from_one_gpu_counts_once_per_window(node):
+    XidPolicy.objects.filter(xid=94).update(threshold=2)
+    finding = Finding(Kind.XID, "critical", "Xid 94", gpu_index=0, xid=94)
+
+    events = {HealthEvent.record(node, finding)[0].pk for _ in range(50)}
+
+    node.refresh_from_db()
+    assert len(events) == 1 and HealthEvent.objects.count() == 1
+    assert HealthEvent.objects.get().evidence["repeats"] == 49
+    assert node.state == NodeState.READY  # a storm is one Xid, not a trend past its threshold
+    HealthEvent.record(node, Finding(Kind.XID, "critical", "Xid 94", gpu_index=1, xid=94))
+    node.refresh_from_db()
+    assert node.state == NodeState.CORDONED  # another GPU's Xid is another report
 
 
 def test_an_operator_can_change_what_an_xid_means(node):
@@ -177,3 +204,37 @@ def test_draining_lets_running_work_finish(project, owner, node):
     attempt.refresh_from_db()
     node.refresh_from_db()
     assert attempt.state == AttemptState.RUNNING and node.state == NodeState.DRAINING
+
+
+OUTPUT_XID = Finding(Kind.XID, "critical", "Xid 79 in the job's output", xid=79, source="output")
+CORDON_79 = XidRule(Action.CORDON)
+
+
+@pytest.mark.parametrize(
+    ("corroboration", "cordon", "stop", "why"),
+    [
+        (Corroboration(), False, True, "not cordoned: seen only in the job's output"),
+        (Corroboration(rechecked=True), False, True, "re-check passed"),
+        (Corroboration(recheck_failures=("ecc: GPU 0: 1 uncorrectable",)), True, True, "re-check failed: ecc"),
+        (Corroboration(driver_reports=("GPU 0: Xid 79",)), True, True, "the driver reports: GPU 0: Xid 79"),
+        (Corroboration(reporters=2, needed_reporters=2), True, True, "jobs of 2 different users"),
+        (Corroboration(reporters=1, needed_reporters=2), False, True, "1 of 2 users"),
+        (Corroboration(reported_first_on="node node-b"), False, False, "node node-b reported it first"),
+        (Corroboration(follows_job="job 4 reported it on node node-c too"), False, False, "follows the job"),
+    ],
+)
+def test_a_fault_from_a_jobs_output_cordons_only_when_corroborated(corroboration, cordon, stop, why):
+    decision = decide(OUTPUT_XID, Policy(), CORDON_79, 0, corroboration)
+
+    assert (decision.cordon, decision.stop_job, decision.suspected) == (cordon, stop, not cordon)
+    assert why in decision.why
+
+
+def test_the_same_fault_from_the_driver_needs_no_corroboration():
+    finding = Finding(Kind.XID, "critical", "GPU 0: Xid 79", gpu_index=0, xid=79)
+    assert decide(finding, Policy(), CORDON_79).cordon
+    assert not decide(OUTPUT_XID, Policy(), XidRule(Action.IGNORE), 0, Corroboration()).suspected  # nothing to weigh
+
+
+def test_the_storm_limiter_counts_a_repeat_once_per_window():
+    assert storm_repeat(100.0, 130.0, 60) and not storm_repeat(100.0, 170.0, 60) and not storm_repeat(None, 1.0, 60)

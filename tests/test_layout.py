@@ -37,6 +37,7 @@ def test_the_agent_process_loads_its_tasks():
 class FakeAttempt:
     def __init__(self, pk, node=None):
         self.pk, self.node = pk, node
+        self.job = type("FakeJob", (), {"submitted_by_id": 1})()
 
 
 def test_an_ended_attempt_leaves_nothing_in_the_output_watcher(monkeypatch):

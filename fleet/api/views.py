@@ -48,6 +48,7 @@ class HealthEventSerializer(serializers.ModelSerializer):
         model = HealthEvent
         fields = [
             "at", "kind", "severity", "gpu_index", "xid", "attempt", "other_project", "message", "evidence", "action",
+            "source",
         ]  # fmt: skip
 
 

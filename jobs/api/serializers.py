@@ -1,6 +1,7 @@
 import copy
 import re
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from jobs import jobspec
@@ -149,6 +150,9 @@ class JobSubmitSerializer(serializers.Serializer):
     max_retries = serializers.IntegerField(
         default=0, min_value=0, max_value=100, error_messages={"max_value": "must be at most 100 retries"}
     )
+    stop_on_hang = serializers.BooleanField(
+        required=False, default=False, help_text="End the attempt when a hang is suspected (HANGAR_HANG_SECONDS)."
+    )
     environment = Text(required=False, allow_blank=True, max_length=64)
     max_runtime_seconds = serializers.IntegerField(
         required=False,
@@ -199,10 +203,50 @@ class JobSubmitSerializer(serializers.Serializer):
         return submitted.job
 
 
+class EvidenceSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField(required=False, help_text="The attempt whose log line it is.")
+    seq = serializers.IntegerField(required=False, help_text="The line's seq in that attempt's log.")
+    rank = serializers.IntegerField(required=False)
+    node = serializers.CharField(required=False)
+    text = serializers.CharField()
+    health_event = serializers.IntegerField(required=False)
+
+
+class DiagnosisSerializer(serializers.Serializer):
+    """Why an attempt failed (jobs/diagnosis.py)."""
+
+    category = serializers.CharField(help_text="cuda_oom, host_oom, nan_loss, python_exception, ... or unknown.")
+    summary = serializers.CharField()
+    hint = serializers.CharField(help_text="What to change.")
+    confidence = serializers.ChoiceField(choices=["high", "medium", "low"])
+    first_failing_rank = serializers.IntegerField(allow_null=True, help_text="The rank whose error came first.")
+    evidence = EvidenceSerializer(many=True)
+
+
+class HangSerializer(serializers.Serializer):
+    ranks = serializers.ListField(child=serializers.IntegerField(), help_text="The ranks flagged: silent, or behind.")
+    summary = serializers.CharField()
+    at = serializers.DateTimeField()
+
+
+def diagnosis_of(attempt: Attempt | None) -> dict | None:
+    found = attempt.diagnosis if attempt is not None else None
+    if not found or "category" not in found:
+        return None
+    return {k: found[k] for k in ("category", "summary", "hint", "confidence", "first_failing_rank", "evidence")}
+
+
+def hang_of(attempt: Attempt | None, key: str = "hang_suspected") -> dict | None:
+    return (attempt.diagnosis or {}).get(key) if attempt is not None else None
+
+
 class AttemptSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name")
     preflight_seconds = serializers.FloatField(read_only=True, allow_null=True)
     running_seconds = serializers.FloatField(read_only=True, allow_null=True)
+    diagnosis = serializers.SerializerMethodField()
+    hang_suspected = serializers.SerializerMethodField()
+    straggler = serializers.SerializerMethodField()
 
     class Meta:
         model = Attempt
@@ -224,7 +268,22 @@ class AttemptSerializer(serializers.ModelSerializer):
             "reason",
             "preflight_seconds",
             "running_seconds",
+            "diagnosis",
+            "hang_suspected",
+            "straggler",
         ]
+
+    @extend_schema_field(DiagnosisSerializer(allow_null=True))
+    def get_diagnosis(self, attempt: Attempt) -> dict | None:
+        return diagnosis_of(attempt)
+
+    @extend_schema_field(HangSerializer(allow_null=True))
+    def get_hang_suspected(self, attempt: Attempt) -> dict | None:
+        return hang_of(attempt)
+
+    @extend_schema_field(HangSerializer(allow_null=True))
+    def get_straggler(self, attempt: Attempt) -> dict | None:
+        return hang_of(attempt, "straggler")
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -234,6 +293,8 @@ class JobSerializer(serializers.ModelSerializer):
     attempts = AttemptSerializer(many=True, read_only=True)
     secret_env = serializers.SerializerMethodField(help_text="Names of the secret variables; values are never shown.")
     urls = serializers.SerializerMethodField()
+    diagnosis = serializers.SerializerMethodField(help_text="Why its latest attempt failed; null when it did not.")
+    hang_suspected = serializers.SerializerMethodField(help_text="Set while its running attempt seems hung.")
 
     class Meta:
         model = Job
@@ -263,6 +324,9 @@ class JobSerializer(serializers.ModelSerializer):
             "exit_code",
             "failure_class",
             "requeues",
+            "stop_on_hang",
+            "diagnosis",
+            "hang_suspected",
             "created_at",
             "queued_at",
             "finished_at",
@@ -305,6 +369,9 @@ class JobSerializer(serializers.ModelSerializer):
             "exit_code": job.exit_code,
             "failure_class": job.failure_class,
             "requeues": job.requeues,
+            "stop_on_hang": job.stop_on_hang,
+            "diagnosis": self.get_diagnosis(job),
+            "hang_suspected": self.get_hang_suspected(job),
             "created_at": DATETIME.to_representation(job.created_at),
             "queued_at": DATETIME.to_representation(job.queued_at),
             "finished_at": DATETIME.to_representation(job.finished_at),
@@ -328,6 +395,23 @@ class JobSerializer(serializers.ModelSerializer):
         if not hasattr(self, "_attempts"):
             self._attempts = AttemptSerializer(many=True, context=self.context)
         return self._attempts.to_representation(attempts)
+
+    def latest(self, job: Job) -> Attempt | None:
+        if self.context.get("created"):
+            return None
+        memo = self.__dict__.setdefault("_latest", {})  # diagnosis and hang read it: one query at most
+        if job.pk not in memo:
+            attempts = list(job.attempts.all())  # prefetched with the job where a page lists many
+            memo[job.pk] = max(attempts, key=lambda a: a.number) if attempts else None
+        return memo[job.pk]
+
+    @extend_schema_field(DiagnosisSerializer(allow_null=True))
+    def get_diagnosis(self, job: Job) -> dict | None:
+        return diagnosis_of(self.latest(job))
+
+    @extend_schema_field(HangSerializer(allow_null=True))
+    def get_hang_suspected(self, job: Job) -> dict | None:
+        return hang_of(self.latest(job))
 
     def get_secret_env(self, job: Job) -> dict[str, str]:
         return dict.fromkeys(job.secret_env, SECRET_MASK)

@@ -46,6 +46,7 @@ class Attempt(models.Model):
     borrowed = models.BooleanField(default=False, help_text="Placed on GPUs beyond its project's quota.")
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
+    diagnosis = models.JSONField(default=dict, blank=True, help_text="Why it failed (jobs/diagnosis.py); hang flags.")
 
     class Meta:
         ordering = ["job", "number"]

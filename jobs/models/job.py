@@ -54,6 +54,7 @@ class Job(models.Model):
     environment = models.ForeignKey(Environment, null=True, blank=True, on_delete=models.PROTECT, related_name="jobs")
     max_runtime_seconds = models.PositiveIntegerField()
     max_retries = models.PositiveSmallIntegerField(default=0, help_text="Retries after the command itself failed.")
+    stop_on_hang = models.BooleanField(default=False, help_text="End an attempt whose hang is suspected.")
     retries = models.PositiveSmallIntegerField(default=0, help_text="Retries used (failure class user).")
     preemptions = models.PositiveIntegerField(default=0, help_text="Times preempted and requeued.")
     order_at = models.DateTimeField(default=timezone.now, help_text="Place within its priority class in the queue.")

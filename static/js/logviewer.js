@@ -276,6 +276,18 @@
     form.elements.attempt.value = String(firstError.attempt_number);
     applyFilters();
   });
+  // The diagnosis panel's "Jump to evidence" (it is swapped by htmx: listen on the document).
+  document.addEventListener("click", function (event) {
+    const link = event.target.closest && event.target.closest("a.jump-evidence");
+    if (!link) return;
+    event.preventDefault();
+    const target = { attempt: Number(link.dataset.attempt), seq: Number(link.dataset.seq) };
+    if (jumpTo(target)) return;
+    pendingJump = target;
+    form.reset();
+    form.elements.attempt.value = link.dataset.attemptNumber;
+    applyFilters();
+  });
   log.addEventListener("scroll", function () {
     if (autoScroll) { autoScroll = false; } else {
       // Scrolling up pauses follow; scrolling back to the bottom resumes it.

@@ -1,0 +1,157 @@
+"""A diagnosis is stored with every attempt that ends badly, and shown in the API; hangs are flagged."""
+
+import sys
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from agent import runner as execution
+from agent import running
+from fleet.models import GPU
+from jobs import diagnosing, scheduler
+from jobs.models import Attempt, AttemptState, FailureClass, JobEvent, JobState, LogLine, Stream
+from tests.factories import api_client, make_attempt, make_job, make_node
+
+
+@pytest.fixture
+def node(transactional_db):
+    running.CURRENT = None
+    node = make_node("node-a", gpus=1)
+    GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    return node
+
+
+def run(project, owner, code: str, **fields) -> Attempt:
+    make_job(project, owner, command=[sys.executable, "-c", code], **fields)
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+    return Attempt.objects.get(pk=attempt.pk)
+
+
+def test_a_failed_attempt_carries_its_diagnosis_in_the_api(node, project, owner):
+    attempt = run(project, owner, "print('starting', flush=True)\nimport transformerz")
+
+    found = diagnosing.wait_for(attempt.pk)
+    assert found["category"] == "import_error" and "transformerz" in found["summary"]
+    seq = found["evidence"][0]["seq"]
+    assert "ModuleNotFoundError" in LogLine.objects.get(attempt=attempt, seq=seq).text
+    body = api_client(owner).get(f"/api/v1/jobs/{attempt.job_id}/").json()
+    assert body["diagnosis"]["category"] == "import_error"
+    assert body["attempts"][0]["diagnosis"] == body["diagnosis"]
+    assert body["hang_suspected"] is None
+    browser = Client()
+    browser.force_login(owner)
+    page = browser.get(f"/jobs/{attempt.job_id}/").content.decode()
+    assert 'id="job-diagnosis"' in page and "Jump to evidence" in page and f'data-seq="{seq}"' in page
+    from hangar.cli import describe
+
+    printed = describe(body)
+    assert "why:      import_error: ModuleNotFoundError" in printed and "hint:" in printed
+    from jobs import tracking
+
+    job = attempt.job.__class__.objects.get(pk=attempt.job_id)
+    assert job.mlflow_run_id, job.tracking_error
+    if tracking.enabled():  # the run carries it too
+        tags = tracking.client().get_run(job.mlflow_run_id).data.tags
+        assert tags["hangar.diagnosis.category"] == "import_error" and "transformerz" in tags["hangar.diagnosis"]
+
+
+def test_a_succeeded_attempt_has_none(node, project, owner):
+    attempt = run(project, owner, "print('ok')")
+
+    assert attempt.state == AttemptState.SUCCEEDED and attempt.diagnosis == {}
+
+
+def test_a_timeout_is_diagnosed_as_such(node, project, owner, settings):
+    settings.HANGAR_KILL_GRACE_SECONDS = 0.5
+    attempt = run(project, owner, "import time\nprint('step', flush=True)\ntime.sleep(30)", max_runtime_seconds=1)
+
+    assert attempt.failure_class == FailureClass.TIMEOUT
+    assert diagnosing.wait_for(attempt.pk)["category"] == "timeout"
+
+
+def test_the_schema_declares_the_diagnosis(db, owner):
+    schema = api_client(owner).get("/api/schema/?format=json")
+    if schema.status_code == 404:
+        schema = api_client(owner).get("/api/v1/schema/?format=json")
+    text = schema.content.decode()
+    assert "Diagnosis" in text and "first_failing_rank" in text and "hang_suspected" in text
+
+
+def lines(attempt, rank: int, ago: float, count: int = 1, first_step: int = 0) -> None:
+    at = timezone.now() - timedelta(seconds=ago)
+    start = LogLine.objects.filter(attempt=attempt).count()
+    LogLine.objects.bulk_create(
+        LogLine(
+            job_id=attempt.job_id,
+            attempt=attempt,
+            node=attempt.node,
+            rank=rank,
+            seq=start + i + 1,
+            rank_seq=start + i + 1,
+            stream=Stream.STDOUT,
+            ts=at,
+            text=f"step {first_step + i}",
+        )  # fmt: skip
+        for i in range(count)
+    )
+
+
+def two_rank_attempt(project, owner, **fields) -> Attempt:
+    other = make_node("node-b", gpus=1)
+    job = make_job(project, owner, nodes=2, **fields)
+    placement = [{"rank": 0, "node_id": other.pk, "node": "node-b", "gpus": [0]},
+                 {"rank": 1, "node_id": other.pk + 0, "node": "node-b", "gpus": [0]}]  # fmt: skip
+    started = timezone.now() - timedelta(seconds=120)
+    return make_attempt(job, other, AttemptState.RUNNING, placement=placement, started_at=started, running_at=started)
+
+
+def test_a_rank_silent_while_the_other_prints_is_flagged_once(db, project, owner, settings):
+    settings.HANGAR_HANG_SECONDS = 30
+    attempt = two_rank_attempt(project, owner)
+    lines(attempt, 0, ago=1)
+    lines(attempt, 1, ago=100)
+
+    assert diagnosing.check_hangs(force=True) == [attempt.pk]
+    assert diagnosing.check_hangs(force=True) == []
+
+    attempt.refresh_from_db()
+    assert attempt.diagnosis["hang_suspected"]["ranks"] == [1]
+    assert JobEvent.objects.filter(job=attempt.job, kind="hang_suspected").count() == 1
+    assert api_client(owner).get(f"/api/v1/jobs/{attempt.job_id}/").json()["hang_suspected"]["ranks"] == [1]
+    assert attempt.state == AttemptState.RUNNING  # only flagged: stop_on_hang is off by default
+    browser = Client()
+    browser.force_login(owner)
+    page = browser.get(f"/jobs/{attempt.job_id}/").content.decode()
+    assert 'id="job-hang"' in page and "Hang suspected" in page and "rank 1 silent" in page
+
+
+def test_stop_on_hang_ends_the_attempt_as_the_jobs_failure(db, project, owner, settings):
+    settings.HANGAR_HANG_SECONDS = 30
+    attempt = two_rank_attempt(project, owner, stop_on_hang=True)
+    lines(attempt, 0, ago=1)
+
+    diagnosing.check_hangs(force=True)
+
+    attempt.refresh_from_db()
+    assert (attempt.state, attempt.failure_class) == (AttemptState.FAILED, FailureClass.USER)
+    assert attempt.reason.startswith("stopped: hang suspected")
+    assert attempt.job.__class__.objects.get(pk=attempt.job_id).state == JobState.FAILED
+    assert diagnosing.store(attempt.pk)["category"] == "hang"
+
+
+def test_a_rank_whose_steps_lag_is_flagged_as_a_straggler(db, project, owner, settings):
+    settings.HANGAR_HANG_SECONDS = 600  # nobody is silent: a straggler is no hang
+    attempt = two_rank_attempt(project, owner)
+    lines(attempt, 0, ago=1, first_step=200)
+    lines(attempt, 1, ago=1, first_step=120)
+
+    assert diagnosing.check_hangs(force=True) == []
+
+    attempt.refresh_from_db()
+    assert attempt.diagnosis["straggler"]["ranks"] == [1] and "hang_suspected" not in attempt.diagnosis
+    body = api_client(owner).get(f"/api/v1/jobs/{attempt.job_id}/").json()
+    assert body["attempts"][0]["straggler"]["summary"].startswith("straggler: rank 1 at step 120")
+    assert JobEvent.objects.filter(job=attempt.job, kind="straggler").count() == 1
