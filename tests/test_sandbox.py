@@ -477,3 +477,55 @@ def test_the_ranks_of_a_two_node_job_reach_each_other_from_their_sandboxes(
     assert job.state == "succeeded", (attempt.reason, lines)
     assert "rank 0 served" in lines and "rank 1 got hello from rank 0" in lines, lines
     assert job.checkpoint_dir().parent.stat().st_uid == 200000 + job.pk  # both ranks: the job's one uid
+
+
+GLOO_ALL_REDUCE = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank={dist.get_rank()} uid={os.getuid()} sum={value.item():g}", flush=True)
+dist.barrier()  # TRAPS.md: gloo can abort at exit without it
+dist.destroy_process_group()
+"""
+
+
+@as_root
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="needs a python3 that job uids can run")
+def test_a_two_node_torch_gloo_job_all_reduces_from_its_sandboxes(
+    transactional_db, project, owner, sandboxed, settings
+):
+    """A real torch.distributed job under the sandbox. The suite's interpreter may be out of job
+    uids' reach (pyenv under /root), so the system's python3 runs it with the suite's torch."""
+    torch = pytest.importorskip("torch")
+    from agent import running
+
+    running.CURRENT = None
+    for name in ("node-a", "node-b"):
+        node = make_node(name, gpus=1, hostname="127.0.0.1")
+        GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    packages = os.path.dirname(os.path.dirname(torch.__file__))
+    job = make_job(
+        project, owner, command=[SYSTEM_PYTHON, "-c", GLOO_ALL_REDUCE], nodes=2, gpus_per_node=1,
+        env={"PYTHONPATH": packages, "GLOO_SOCKET_IFNAME": "lo"},
+    )  # fmt: skip
+    (attempt,) = scheduler.schedule_pass()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        settings.HANGAR_MASTER_PORT_BASE = probe.getsockname()[1] - attempt.pk % 1000
+
+    threads = [threading.Thread(target=execution.run_attempt, args=(attempt.pk, r)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    lines = lines_of(attempt)
+    assert job.state == "succeeded", (attempt.reason, lines)
+    uid = 200000 + job.pk
+    assert f"rank=0 uid={uid} sum=3" in lines and f"rank=1 uid={uid} sum=3" in lines, lines
