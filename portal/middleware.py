@@ -10,8 +10,8 @@ from portal.api.shape import error_body
 log = logging.getLogger("hangar.web")
 
 # Paths that answer anonymous requests themselves: the API (401 in JSON), the
-# login page, and static files.
-PUBLIC_PREFIXES = ("/api/", "/login/", "/static/", "/admin/")
+# login page, static files and /metrics (its own token or allow-list).
+PUBLIC_PREFIXES = ("/api/", "/login/", "/static/", "/admin/", "/metrics")
 
 
 class LoginRequiredMiddleware:

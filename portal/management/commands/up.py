@@ -35,6 +35,7 @@ class Command(BaseCommand):
     def handle(self, *args, host, port, no_agent, no_scheduler=False, **options):
         check_port_free(host, port)
         call_command("migrate", interactive=False, verbosity=0)
+        reset_process_metrics()
         login = ensure_admin()
         ensure_default_project()
         started = timezone.now()
@@ -72,6 +73,14 @@ def check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise CommandError(f"cannot listen on {host}:{port} ({exc.strerror}); set HANGAR_PORT or --port") from exc
+
+
+def reset_process_metrics() -> None:
+    """The processes' own measurements (prometheus-client multiprocess files) start again with
+    the processes; the files of the previous run's processes would be summed in for ever."""
+    folder = settings.PROMETHEUS_MULTIPROC_DIR
+    for path in folder.glob("*.db"):
+        path.unlink(missing_ok=True)
 
 
 def ensure_admin() -> str:
