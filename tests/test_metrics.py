@@ -145,3 +145,24 @@ def test_it_sums_what_other_processes_measured(client, db):
     after = scrape(client)
     assert value(after, "hangar_scheduler_pass_duration_seconds_count") == before + 3
     assert value(after, "hangar_scheduler_pass_duration_seconds_bucket", le="0.025") >= 3
+
+
+def test_the_dashboard_and_alerts_use_only_metrics_hangar_exports(client, project, owner):
+    import json
+    import re
+    from pathlib import Path
+
+    import yaml
+    from django.conf import settings
+
+    known_sequence(project, owner)
+    GPU.objects.update(power_w=300, sm_clock_mhz=1980, memory_used_mb=100)
+    client.get("/api/v1/jobs/")
+    exported = {name for name, _ in scrape(client)}
+    docs = Path(settings.BASE_DIR) / "docs"
+    dashboard = json.loads((docs / "grafana" / "hangar.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    rules = yaml.safe_load((docs / "prometheus" / "alerts.yml").read_text())
+    exprs += [r["expr"] for group in rules["groups"] for r in group["rules"]]
+    used = {m for e in exprs for m in re.findall(r"\b(hangar_[a-z_]+|DCGM_FI_[A-Z_]+)\b", e)}
+    assert used and used <= exported, used - exported
