@@ -25,6 +25,7 @@ from jobs.models.states import (
 )
 from jobs.priority import Priority, PriorityClass, priority_class
 from jobs.secret_env import SecretEnvField
+from jobs.signals import job_ended
 from portal import wakeup
 from portal.models import AuditEvent, Project
 
@@ -136,6 +137,7 @@ class Job(models.Model):
             if done:
                 AuditEvent.record(by, "job.cancel", self, reason=reason)
                 JobEvent.objects.create(job=self, kind="cancel", message=reason)
+                job_ended.send(sender=Job, job=self)  # a queued job ends here, with no attempt
                 wakeup.request_pass()  # a waiting job may have held back smaller ones
         self.refresh_from_db()
         return done

@@ -116,7 +116,7 @@ def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = Fa
         argv = [python, "-m", "portal.webserver", str(sock.fileno())]
         with sock:  # the child keeps its own copy
             children[name] = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, pass_fds=[sock.fileno()])
-    commands = {"scheduler": [python, manage, "scheduler"]}
+    commands = {"scheduler": [python, manage, "scheduler"], "notifier": [python, manage, "notifier"]}
     if no_scheduler:
         del commands["scheduler"]
     if not no_agent:
