@@ -23,6 +23,7 @@ urlpatterns = [
     path("tokens/<int:pk>/revoke/", views.revoke_token, name="token-revoke"),
     path("fleet/", include("fleet.urls")),
     path("costs/", include("jobs.urls_costs")),
+    path("notifications/", include("jobs.urls_notify")),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

@@ -239,3 +239,38 @@ def test_a_cancelled_queued_job_is_told(receiver, project, owner, django_capture
         job.cancel(owner, "not needed")
     assert announced
     assert tasks.notify_event("job", job.pk) == 1
+
+
+def test_the_owner_manages_subscriptions_and_reads_the_delivery_log(client, receiver, project, owner, outsider):
+    from tests.factories import api_client
+
+    hook = receiver()
+    api = api_client(owner)
+    made = api.post(
+        "/api/v1/subscriptions/",
+        {"project": "vision", "events": ["job.failed"], "url": hook.url},
+        format="json",
+    )
+    assert made.status_code == 201, made.content
+    assert made.json()["secret"], "shown once, to verify signatures"
+    pk = made.json()["id"]
+    assert "secret" not in api.get(f"/api/v1/subscriptions/{pk}/").json()
+    job, attempt = fail_job(project, owner, name="logged")
+    attempt.finish(AttemptState.FAILED, FailureClass.USER, "exit code 1", exit_code=1)
+    tasks.notify_event("attempt", attempt.pk)
+    tasks.deliver(Delivery.objects.get().pk)
+    (delivery,) = api.get(f"/api/v1/subscriptions/{pk}/deliveries/").json()
+    assert delivery["state"] == "delivered" and delivery["log"][0]["status"] == 200
+    client.force_login(owner)
+    page = client.get("/notifications/")
+    assert page.status_code == 200 and b"logged" in page.content
+    # The outsider sees none of it.
+    other = api_client(outsider)
+    assert other.get(f"/api/v1/subscriptions/{pk}/").status_code == 404
+    assert other.get(f"/api/v1/subscriptions/{pk}/deliveries/").status_code == 404
+    assert other.get("/api/v1/subscriptions/").json()["results"] == []
+    client.force_login(outsider)
+    assert b"logged" not in client.get("/notifications/").content
+    body = {"project": "vision", "events": ["job.failed"], "url": hook.url}
+    refused = other.post("/api/v1/subscriptions/", body, format="json")
+    assert refused.status_code == 400 and "vision" in refused.content.decode()
