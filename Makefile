@@ -1,9 +1,9 @@
-# The two commands of the README: `make start` and `make test`.
+# The commands of the README: `make start`, `make demo` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: start test bench drills chromium
+.PHONY: start demo test bench drills chromium
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ chromium:
 ## start: install what is missing, migrate, and run web + scheduler + a node agent (Ctrl-C stops)
 start: $(VENV)/.runtime
 	$(PY) manage.py up
+
+## demo: like start, with a living simulated fleet (8 nodes, teams, budgets, a job generator)
+demo: $(VENV)/.runtime
+	$(PY) manage.py demo
 
 ## test: install what the tests need and run the whole suite (lint, migrations check, pytest)
 test: $(VENV)/.test chromium

@@ -1,4 +1,4 @@
-"""`manage.py up`: the whole product on one machine (web, scheduler, one node agent)."""
+"""`manage.py up`: the whole product on one machine (web, scheduler, notifier, one node agent)."""
 
 import os
 import secrets
@@ -38,18 +38,33 @@ class Command(BaseCommand):
         reset_process_metrics()
         login = ensure_admin()
         ensure_default_project()
+        self.prepare()
         started = timezone.now()
         children = start_children(host, port, no_agent, no_scheduler)
         try:
+            children.update(self.more_children())
             wait_for_port(host, port, children)
             if not no_agent:
                 wait_for_agent(started, children)
             self.banner(host, port, login, no_agent)
-            watch(children)
+            self.run_until_stopped(children)
         except KeyboardInterrupt:
             pass
         finally:
             stop(children)
+
+    # Hooks for commands that start more (`manage.py demo`: its fleet and its job generator).
+    def prepare(self) -> None:
+        """After migrations and the admin user, before any process starts."""
+
+    def more_children(self) -> dict[str, subprocess.Popen]:
+        return {}
+
+    def run_until_stopped(self, children: dict[str, subprocess.Popen]) -> None:
+        watch(children)
+
+    def fleet_line(self, no_agent: bool) -> str:
+        return "  agent: not started (--no-agent)" if no_agent else "  a node agent for this machine is running"
 
     def banner(self, host, port, login: str, no_agent: bool) -> None:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -58,7 +73,7 @@ class Command(BaseCommand):
             f"  Hangar is running at http://{shown_host}:{port}/",
             f"  {login}",
             f"  data directory: {settings.DATA_DIR}",
-            "  agent: not started (--no-agent)" if no_agent else "  a node agent for this machine is running",
+            self.fleet_line(no_agent),
             "  Press Ctrl-C to stop.",
             "",
         ]
@@ -104,10 +119,14 @@ def ensure_default_project() -> None:
         Membership.objects.get_or_create(project=project, user=admin, defaults={"role": Role.ADMIN})
 
 
+def child_env() -> dict[str, str]:
+    return {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
+
+
 def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = False) -> dict[str, subprocess.Popen]:
     python = sys.executable
     manage = str(settings.BASE_DIR / "manage.py")
-    env = {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
+    env = child_env()
     children = {}
     # More web processes use more cores: the API's throughput scales with them.
     workers = settings.HANGAR_WEB_WORKERS
