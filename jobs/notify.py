@@ -28,10 +28,11 @@ from django.utils import timezone
 from fleet import signals as fleet_signals
 from fleet.models import Node
 from jobs.models import Attempt, Budget, Job
-from jobs.models.notify import JOB_EVENTS, Channel, Delivery, DeliveryState, Event, Subscription
+from jobs.models.notify import JOB_EVENTS, NODE_EVENTS, Channel, Delivery, DeliveryState, Event, Subscription
 from jobs.signals import attempt_finished, job_ended
 from portal.celery import app
 from portal.models import AuditEvent, Project
+from portal.remembered import forget_on_change, remembered
 
 log = logging.getLogger("hangar.notify")
 
@@ -43,9 +44,38 @@ OVERDUE_SECONDS = 60
 # --- announcing (inside the caller's transaction: only an on_commit) ----------------
 
 
+ANNOUNCED_BY = {
+    "attempt": {*JOB_EVENTS, Event.BUDGET_THRESHOLD},
+    "job": {Event.JOB_CANCELLED},
+    "node": set(NODE_EVENTS),
+}
+SUBSCRIBED = "hangar.notify.subscribed-events"
+SUBSCRIBED_SECONDS = 5.0
+
+
 def announce(kind: str, object_id: int) -> None:
-    """After the current transaction commits, one message to the notifier; never raises."""
-    transaction.on_commit(lambda: send("hangar.notify_event", kind=kind, object_id=object_id))
+    """After the current transaction commits, one message to the notifier (when anyone
+    subscribed to what this kind of event can be: no pile of messages nobody wants); never raises."""
+
+    def tell() -> None:
+        if ANNOUNCED_BY[kind] & subscribed_events():
+            send("hangar.notify_event", kind=kind, object_id=object_id)
+
+    transaction.on_commit(tell)
+
+
+def subscribed_events() -> set[str]:
+    """The events some active subscription wants; a subscription made in another process counts within 5 s."""
+
+    def read() -> set[str]:
+        return {
+            e for events in Subscription.objects.filter(active=True).values_list("events", flat=True) for e in events
+        }
+
+    return remembered(SUBSCRIBED, read, SUBSCRIBED_SECONDS)
+
+
+forget_on_change(SUBSCRIBED, Subscription)
 
 
 def send(task: str, countdown: float | None = None, **kwargs) -> None:

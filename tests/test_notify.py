@@ -71,8 +71,8 @@ def verify(headers: dict, body: bytes, secret: str) -> dict:
     return json.loads(body)
 
 
-def fail_job(project, owner, **fields):
-    node = make_node()
+def fail_job(project, owner, node=None, **fields):
+    node = node or make_node()
     job = make_job(project, owner, **fields)
     attempt = make_attempt(job, node, AttemptState.RUNNING, started_at=timezone.now(), running_at=timezone.now())
     return job, attempt
@@ -274,3 +274,25 @@ def test_the_owner_manages_subscriptions_and_reads_the_delivery_log(client, rece
     body = {"project": "vision", "events": ["job.failed"], "url": hook.url}
     refused = other.post("/api/v1/subscriptions/", body, format="json")
     assert refused.status_code == 400 and "vision" in refused.content.decode()
+
+
+def test_nothing_is_sent_to_the_broker_while_nobody_subscribed(
+    receiver, settings, project, owner, django_capture_on_commit_callbacks
+):
+    if not settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        pytest.skip("counts the embedded broker's message files")
+    queue = settings.BROKER_DIR / "queue"
+
+    def messages() -> int:
+        return len(list(queue.glob("*.hangar.notify.msg")))
+
+    before = messages()
+    job, attempt = fail_job(project, owner)
+    with django_capture_on_commit_callbacks(execute=True):
+        attempt.finish(AttemptState.FAILED, FailureClass.USER, "exit code 1", exit_code=1)
+    assert messages() == before
+    subscribe(owner, receiver().url, ["job.failed"], project=project)
+    job, attempt = fail_job(project, owner, node=attempt.node, name="second")
+    with django_capture_on_commit_callbacks(execute=True):
+        attempt.finish(AttemptState.FAILED, FailureClass.USER, "exit code 1", exit_code=1)
+    assert messages() == before + 1
