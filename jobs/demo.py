@@ -41,10 +41,11 @@ FLEET = [
 FAULTY_NODE = "a100-4"  # an ECC fault is injected here: the health policy cordons it
 RATES = {"H100": Decimal("2.49"), "A100": Decimal("1.29")}
 TEAMS = {
-    # project: (name, members {username: role}, monthly budget, GPU quota)
-    "vision": ("Vision", {"alice": Role.MANAGER, "bob": Role.MEMBER}, Decimal("6000"), 24),
-    "nlp": ("Language models", {"carol": Role.MANAGER, "bob": Role.MEMBER}, Decimal("4000"), 16),
-    "agents": ("Agent experiments", {"agent-7": Role.MEMBER, "alice": Role.MEMBER}, Decimal("900"), 8),
+    # project: (name, members {username: role}, monthly budget, GPU quota, daily GPU-hours of history)
+    "vision": ("Vision", {"alice": Role.MANAGER, "bob": Role.MEMBER}, Decimal("6000"), 24, 16.0),
+    "nlp": ("Language models", {"carol": Role.MANAGER, "bob": Role.MEMBER}, Decimal("4000"), 16, 11.0),
+    # A small budget, already mostly spent: its warning shows, and budget notifications fire.
+    "agents": ("Agent experiments", {"agent-7": Role.MEMBER, "alice": Role.MEMBER}, Decimal("25"), 8, 2.0),
 }
 
 
@@ -57,7 +58,7 @@ def seed() -> None:
     week_ago = timezone.now() - timedelta(days=30)
     for gpu_type, price in RATES.items():
         GpuRate.objects.get_or_create(gpu_type=gpu_type, effective_from=week_ago, defaults={"per_gpu_hour": price})
-    for slug, (name, members, budget, quota) in TEAMS.items():
+    for slug, (name, members, budget, quota, _) in TEAMS.items():
         project, _ = Project.objects.get_or_create(slug=slug, defaults={"name": name, "gpu_quota": quota})
         Budget.objects.get_or_create(project=project, month=None, defaults={"amount": budget, "warn_percent": 80})
         for username, role in members.items():
@@ -73,19 +74,19 @@ def seed() -> None:
 
 
 def cost_history(days: int = 7) -> None:
-    """Yesterday and the six days before: spend per team, user and GPU type, with some waste."""
+    """Today (so far) and the six days before: spend per team, user and GPU type, with some waste."""
     rng = random.Random(22)
     today = timezone.localdate()
     rows = []
-    for back in range(1, days + 1):
+    for back in range(days):
         day = today - timedelta(days=back)
-        for slug, (_, members, budget, _) in TEAMS.items():
+        for slug, (_, members, _, _, daily_hours) in TEAMS.items():
             project = Project.objects.get(slug=slug)
             for username in members:
                 user = get_user_model().objects.get(username=username)
                 for gpu_type, price in RATES.items():
                     for label, share in (("succeeded", 1.0), ("failed", 0.12), ("preempted", 0.06)):
-                        hours = rng.uniform(2, 30) * share * float(budget) / 6000
+                        hours = rng.uniform(0.5, 1.5) * daily_hours * share
                         cost = Decimal(hours * float(price)).quantize(Decimal("0.0001"))
                         rows.append(
                             CostDaily(
