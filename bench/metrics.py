@@ -10,7 +10,11 @@ and the text format, no network):
 
     python bench/metrics.py [--quick] [--nodes N]
 
+Then it times, apart, summing the processes' own measurements (prometheus-client's
+multiprocess files) written by several processes.
+
 Last line: scrape_ms_p50=... scrape_ms_p95=... first_scrape_ms=... nodes=... gpus=... samples=... bytes=...
+multiprocess_ms=... processes=...
 """
 
 import argparse
@@ -111,6 +115,38 @@ def seed(nodes: int, ended: int, running: int, queued: int) -> None:
     )
 
 
+PROCESS_CODE = """
+import django; django.setup()
+from jobs.metrics import API_DURATION, SCHEDULER_PASS
+for r in range({routes}):
+    for status in ("200", "400", "404"):
+        API_DURATION.labels("GET", f"/api/v1/route{{r}}/", status).observe(0.01)
+SCHEDULER_PASS.observe(0.02)
+"""
+
+
+def multiprocess_ms(processes: int, routes: int) -> float:
+    """The part of a scrape that sums the processes' own files: `processes` processes that each
+    answered `routes` routes with three statuses (the web workers, scheduler and notifier of a machine)."""
+    import subprocess
+
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    code = PROCESS_CODE.format(routes=routes)
+    root = Path(__file__).resolve().parent.parent
+    children = [subprocess.Popen([sys.executable, "-c", code], cwd=root) for _ in range(processes)]
+    for child in children:
+        assert child.wait() == 0
+    timings = []
+    for _ in range(10):
+        started = time.perf_counter()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        generate_latest(registry)
+        timings.append((time.perf_counter() - started) * 1000)
+    return statistics.median(timings)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="100 nodes, 2,000 ended attempts")
@@ -148,9 +184,12 @@ def main() -> None:
     timings.sort()
     p50, p95 = statistics.median(timings), timings[min(len(timings) - 1, round(0.95 * (len(timings) - 1)))]
     print(f"/metrics: first scrape {first_ms:.1f} ms, then p50 {p50:.1f} ms, p95 {p95:.1f} ms ({samples} samples)")
+    procs = 2 if args.quick else 6
+    mp_ms = multiprocess_ms(procs, 40)
+    print(f"summing the processes' own files ({procs} processes x 40 routes x 3 statuses) adds {mp_ms:.1f} ms")
     print(
         f"scrape_ms_p50={p50:.1f} scrape_ms_p95={p95:.1f} first_scrape_ms={first_ms:.1f} nodes={nodes} "
-        f"gpus={nodes * GPUS} samples={samples} bytes={len(body)}"
+        f"gpus={nodes * GPUS} samples={samples} bytes={len(body)} multiprocess_ms={mp_ms:.1f} processes={procs}"
     )
 
 
