@@ -334,15 +334,18 @@ def transmit(delivery: Delivery) -> int | None:
         "X-Hangar-Delivery": str(delivery.pk),
         "X-Hangar-Signature": sign(sub.secret, int(time.time()), body),
     }
+    timeout = settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS
     try:
-        response = httpx.post(sub.url, content=body, headers=headers, timeout=settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS)
-    except (httpx.TimeoutException, httpx.NetworkError) as exc:
+        # Streamed and never read: only the status counts, and a receiver's body could be huge.
+        with httpx.stream("POST", sub.url, content=body, headers=headers, timeout=timeout) as response:
+            status = response.status_code
+    except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
         raise Transient(f"{type(exc).__name__}: {exc}") from exc
-    if response.status_code >= 500 or response.status_code == 429:
-        raise Transient(f"HTTP {response.status_code}", response.status_code)
-    if response.status_code >= 400:
-        raise ValueError(f"HTTP {response.status_code}: the receiver refused it")
-    return response.status_code
+    if status >= 500 or status == 429:
+        raise Transient(f"HTTP {status}", status)
+    if status >= 400:
+        raise ValueError(f"HTTP {status}: the receiver refused it")
+    return status
 
 
 def send_email(delivery: Delivery) -> None:
