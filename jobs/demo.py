@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from fleet.models import FaultInjection, Node, NodeState
 from jobs.api.serializers import JobSubmitSerializer
-from jobs.models import Budget, CostDaily, GpuRate, Job, JobState
+from jobs.models import Budget, Channel, CostDaily, Event, GpuRate, Job, JobState, Subscription
 from jobs.submission import submit_job
 from portal.models import Membership, Project, Role
 
@@ -71,6 +71,13 @@ def seed() -> None:
             Membership.objects.get_or_create(project=project, user=admin, defaults={"role": Role.ADMIN})
     if not CostDaily.objects.exists():
         cost_history()
+    # The notifications page has deliveries to show: e-mail, on the console in the embedded default.
+    for admin in users.filter(is_superuser=True):
+        Subscription.objects.get_or_create(
+            user=admin,
+            channel=Channel.EMAIL,
+            defaults={"email": "ops@demo.invalid", "events": [Event.NODE_CORDONED, Event.BUDGET_THRESHOLD]},
+        )
 
 
 def cost_history(days: int = 7) -> None:

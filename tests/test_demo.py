@@ -1,4 +1,5 @@
-"""`manage.py demo`: within 90 s its fleet shows running, queued, finished, failed and cordoned examples."""
+"""`manage.py demo`: within 90 s its fleet shows running, queued, finished, failed and cordoned examples
+(and the cordon's notification was delivered)."""
 
 import contextlib
 import os
@@ -19,7 +20,7 @@ from tests.livestack import BASE_DIR, die_with_parent, free_port
 
 pytestmark = pytest.mark.e2e
 
-WANTED = ("running", "queued", "succeeded", "failed", "cordoned")
+WANTED = ("running", "queued", "succeeded", "failed", "cordoned", "delivered")
 
 
 @dataclass
@@ -44,9 +45,10 @@ class Demo:
                 jobs = dict(conn.execute("SELECT state, COUNT(*) FROM jobs_job GROUP BY state").fetchall())
                 cordoned = conn.execute("SELECT COUNT(*) FROM fleet_node WHERE state = 'cordoned'").fetchone()[0]
                 nodes = conn.execute("SELECT COUNT(DISTINCT gpu_model), COUNT(*) FROM fleet_node").fetchone()
+                told = conn.execute("SELECT COUNT(*) FROM jobs_delivery WHERE state = 'delivered'").fetchone()[0]
         except sqlite3.OperationalError:  # not migrated yet, or busy
             return {}
-        return {**jobs, "cordoned": cordoned, "gpu_types": nodes[0], "nodes": nodes[1]}
+        return {**jobs, "cordoned": cordoned, "gpu_types": nodes[0], "nodes": nodes[1], "delivered": told}
 
     def query(self, sql: str) -> list[tuple]:
         with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5) as conn:
