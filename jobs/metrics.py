@@ -79,11 +79,16 @@ def render() -> bytes:
 
 def scrape_allowed(request: HttpRequest) -> bool:
     """With HANGAR_METRICS_TOKEN set, its bearer token and nothing else; otherwise the
-    client address must be in HANGAR_METRICS_ALLOW (addresses or CIDR networks)."""
+    client's address (and every forwarded one) must be in HANGAR_METRICS_ALLOW (addresses
+    or CIDR networks)."""
     if token := settings.HANGAR_METRICS_TOKEN:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         return secrets.compare_digest(given.encode(), token.encode())
-    return address_allowed(request.META.get("REMOTE_ADDR", ""), settings.HANGAR_METRICS_ALLOW)
+    # Through a proxy on an allowed address (nginx on 127.0.0.1), the client it forwards must
+    # be allowed too: every address on the way, never only the last hop.
+    forwarded = [a.strip() for a in request.headers.get("X-Forwarded-For", "").split(",") if a.strip()]
+    hops = [request.META.get("REMOTE_ADDR", ""), *forwarded]
+    return all(address_allowed(hop, settings.HANGAR_METRICS_ALLOW) for hop in hops)
 
 
 def address_allowed(address: str, allowed: list[str]) -> bool:

@@ -116,6 +116,11 @@ def test_it_refuses_an_address_outside_the_allow_list(client, settings, db):
     assert client.get("/metrics", REMOTE_ADDR="10.1.2.3").status_code == 200
 
 
+def test_it_refuses_an_outside_client_forwarded_by_a_local_proxy(client, db):
+    assert client.get("/metrics", HTTP_X_FORWARDED_FOR="203.0.113.9").status_code == 403
+    assert client.get("/metrics", HTTP_X_FORWARDED_FOR="127.0.0.1").status_code == 200
+
+
 def test_it_counts_log_lines_stored(client, project, owner):
     from jobs.logstore import NewLine, store_lines
     from jobs.models import Stream

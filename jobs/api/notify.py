@@ -38,7 +38,7 @@ class SubscriptionSerializer(serializers.ModelSerializer):
     def validate(self, data):
         channel = data.get("channel", getattr(self.instance, "channel", Channel.WEBHOOK))
         url = data.get("url", getattr(self.instance, "url", ""))
-        if channel in (Channel.WEBHOOK, Channel.SLACK) and not url:
+        if channel in (Channel.WEBHOOK, Channel.SLACK) and not url.startswith(("http://", "https://")):
             raise serializers.ValidationError({"url": f"is required for a {channel} subscription: an http(s) URL"})
         return data
 
