@@ -353,7 +353,8 @@ class AttemptTotals:
 
 
 def attempt_rows(after: int, upto: int | None):
-    """(state, failure_class, start latency s, hand-off gap s) of the attempts in (after, upto]."""
+    """(state, failure_class, start latency s, hand-off gap s) of the attempts in (after, upto],
+    streamed (a process's first scrape reads every ended attempt once)."""
     rows = Attempt.objects.filter(pk__gt=after)
     if upto is not None:
         rows = rows.filter(pk__lte=upto)
@@ -363,7 +364,8 @@ def attempt_rows(after: int, upto: int | None):
     query = f"SELECT state, failure_class, {latency}, {handoff} FROM {table} WHERE id IN ({sql})"
     with connection.cursor() as cursor:
         cursor.execute(query, params)
-        return cursor.fetchall()
+        while chunk := cursor.fetchmany(10000):
+            yield from chunk
 
 
 def seconds_between(start: str, end: str) -> str:
