@@ -127,10 +127,16 @@ def fan_out_job(job: Job) -> list[int]:
     if not job.is_final:
         return []
     event = f"job.{job.state}"
-    subs = [s for s in subscribed(event) if s.project_id == job.project_id or s.user_id == job.submitted_by_id]
-    subs = [s for s in subs if s.project_id is not None or s.user_id == job.submitted_by_id]
+    subs = [s for s in subscribed(event) if covers(s, job)]
     payload = job_payload(job, event)
     return create(subs, event, f"job:{job.pk}:{job.state}", payload, project_id=job.project_id)
+
+
+def covers(sub: Subscription, job: Job) -> bool:
+    """A project's subscription covers its jobs; one without a project, its owner's jobs."""
+    if sub.project_id is not None:
+        return sub.project_id == job.project_id
+    return sub.user_id == job.submitted_by_id
 
 
 def fan_out_budget(project_id: int) -> list[int]:
@@ -169,8 +175,8 @@ def subscribed(event: str) -> list[Subscription]:
 def create(subs: list[Subscription], event: str, key: str, payload: dict, project_id: int | None = None) -> list[int]:
     created = []
     for sub in subs:
-        if project_id is not None and sub.project_id is not None and not can_see(sub.user, project_id):
-            continue  # left the project since subscribing
+        if project_id is not None and not can_see(sub.user, project_id):
+            continue  # left the project since subscribing (or submitting)
         try:
             with transaction.atomic():
                 delivery = Delivery.objects.create(subscription=sub, event=event, key=key, payload=payload)

@@ -222,6 +222,17 @@ def test_it_tells_a_budget_threshold_once(project, owner, receiver):
     assert Delivery.objects.get(pk=pk).payload["budget"]["threshold_percent"] == 100
 
 
+def test_a_projects_subscription_covers_only_that_project(receiver, project, other_project, owner):
+    from portal.models import Membership, Role
+
+    Membership.objects.create(project=other_project, user=owner, role=Role.MEMBER)
+    hook = receiver()
+    subscribe(owner, hook.url, ["job.failed"], project=other_project)
+    job, attempt = fail_job(project, owner)
+    attempt.finish(AttemptState.FAILED, FailureClass.USER, "exit code 1", exit_code=1)
+    assert tasks.notify_event("attempt", attempt.pk) == 0
+
+
 def test_it_tells_only_the_projects_members(receiver, project, owner, outsider):
     hook = receiver()
     subscribe(outsider, hook.url, ["job.failed"], project=project)  # not a member (any more)
