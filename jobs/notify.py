@@ -61,7 +61,9 @@ def announce(kind: str, object_id: int) -> None:
         if ANNOUNCED_BY[kind] & subscribed_events():
             send("hangar.notify_event", kind=kind, object_id=object_id)
 
-    transaction.on_commit(tell)
+    # robust: an error here (the database gone after the commit) is logged, never raised into
+    # the code that changed the state.
+    transaction.on_commit(tell, robust=True)
 
 
 def subscribed_events() -> set[str]:
