@@ -1,9 +1,9 @@
-# The two commands of the README: `make start` and `make test`.
+# The commands of the README: `make start`, `make demo` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: start test bench drills chromium bubblewrap
+.PHONY: start demo test bench drills chromium bubblewrap
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ bubblewrap:
 ## start: install what is missing, migrate, and run web + scheduler + a node agent (Ctrl-C stops)
 start: $(VENV)/.runtime bubblewrap
 	$(PY) manage.py up
+
+## demo: like start, with a living simulated fleet (8 nodes, teams, budgets, a job generator)
+demo: $(VENV)/.runtime bubblewrap
+	$(PY) manage.py demo
 
 ## test: install what the tests need and run the whole suite (lint, migrations check, pytest)
 test: $(VENV)/.test chromium bubblewrap

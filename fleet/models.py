@@ -148,7 +148,8 @@ class Node(models.Model):
         if changed:
             self.state, self.state_reason, self.auto_cordoned = new, reason, auto
             detail = {"previous_state": previous, **({"evidence": evidence} if evidence else {})}
-            AuditEvent.record(by, action, self, reason=reason, detail=detail)
+            audit = AuditEvent.record(by, action, self, reason=reason, detail=detail)
+            signals.node_state_changed.send(sender=Node, node=self, previous=previous, audit=audit)
             wakeup.request_pass()  # capacity changed: place (or stop placing) work at once
         return bool(changed)
 

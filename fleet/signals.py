@@ -14,3 +14,8 @@ stress_here = Signal()
 # The node page is drawn (node=Node, user=User): receivers return a dict of extra context
 # (the jobs app adds the attempts of the user's projects that ran there).
 node_page = Signal()
+
+# A node changed state (node=Node, previous=str, audit=AuditEvent: its action, reason, actor and
+# evidence), sent inside the change's transaction, if any: the jobs app notifies subscribers
+# of cordons and uncordons after commit (jobs/notify.py).
+node_state_changed = Signal()

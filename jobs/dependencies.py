@@ -60,7 +60,7 @@ def settle(job: Job) -> None:
         ended = {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED, "finished_at": now}
         if blocked.update(**ended, state_reason=f"cancelled: {found.reason}"):
             JobEvent.objects.create(job=job, kind="cancel", message=found.reason)
-            settle_dependents(job.pk)
+            job_ended.send(sender=Job, job=job)  # its own dependents are settled, its watchers told
     else:
         blocked.exclude(state_reason=found.reason).update(state_reason=found.reason)
 

@@ -19,6 +19,7 @@ from django.db.models import Case, IntegerField, Max, Value, When
 from django.utils import timezone
 
 from fleet.models import Node
+from jobs.metrics import SCHEDULER_PASS
 from jobs.models import (
     ACTIVE_ATTEMPT_STATES,
     STARTED_ATTEMPT_STATES,
@@ -177,7 +178,8 @@ def schedule_pass() -> list[Attempt]:
     """Place what fits now and preempt what must make room. Safe to run concurrently."""
     global last_pass_started
     started = time.time()
-    placed = _schedule_pass()
+    with SCHEDULER_PASS.time():
+        placed = _schedule_pass()
     last_pass_started = max(last_pass_started, started)  # only a pass that completed
     return placed
 

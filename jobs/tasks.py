@@ -1,8 +1,8 @@
-"""Celery tasks of the scheduler. They take ids; the database row says what to do."""
+"""Celery tasks of the scheduler and the notifier. They take ids; the database row says what to do."""
 
 from celery import shared_task
 
-from jobs import scheduler
+from jobs import notify, scheduler
 
 
 @shared_task(name="hangar.schedule")
@@ -12,3 +12,15 @@ def schedule(requested_at: float | None = None) -> int:
     if scheduler.pass_already_covers(requested_at):
         return 0
     return len(scheduler.schedule_pass())
+
+
+@shared_task(name="hangar.notify_event")
+def notify_event(kind: str, object_id: int) -> int:
+    """An event (an attempt or job that ended, a node's cordon) becomes one delivery per subscriber."""
+    return len(notify.fan_out(kind, object_id))
+
+
+@shared_task(name="hangar.deliver")
+def deliver(delivery_id: int) -> str:
+    """One try of one delivery (webhook, Slack-compatible webhook or e-mail)."""
+    return notify.deliver(delivery_id)

@@ -10,8 +10,8 @@ from portal.api.shape import error_body
 log = logging.getLogger("hangar.web")
 
 # Paths that answer anonymous requests themselves: the API (401 in JSON), the
-# login and password reset pages, static files and the favicon.
-PUBLIC_PREFIXES = ("/api/", "/login/", "/password-reset/", "/static/", "/admin/", "/favicon.ico")
+# login and password reset pages, static files, the favicon and /metrics (its own token or allow-list).
+PUBLIC_PREFIXES = ("/api/", "/login/", "/password-reset/", "/static/", "/admin/", "/favicon.ico", "/metrics")
 
 
 class LoginRequiredMiddleware:

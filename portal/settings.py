@@ -127,6 +127,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "jobs.metrics.RequestMetricsMiddleware",
     "portal.requestid.RequestIdMiddleware",
     "csp.middleware.CSPMiddleware",
     "portal.bodylimits.BodyLimitMiddleware",
@@ -572,3 +573,28 @@ LOGGING = {
         "hangar": {"handlers": ["console"], "level": env_str("HANGAR_LOG_LEVEL", "INFO")},
     },
 }
+
+# --- Operations: metrics and notifications (jobs/metrics.py, jobs/notify.py) --------
+# /metrics answers a bearer token when HANGAR_METRICS_TOKEN is set, else only the
+# client addresses (or CIDR networks) of HANGAR_METRICS_ALLOW.
+HANGAR_METRICS_TOKEN = env_str("HANGAR_METRICS_TOKEN")
+HANGAR_METRICS_ALLOW = env_list("HANGAR_METRICS_ALLOW", ["127.0.0.1", "::1"])
+# What a process measures itself (API request durations, scheduler passes) is shared with
+# the other processes of its machine through prometheus-client's multiprocess files. Set
+# before prometheus_client is first imported, which reads it then.
+PROMETHEUS_MULTIPROC_DIR = Path(env_str("PROMETHEUS_MULTIPROC_DIR", str(DATA_DIR / "prometheus")))
+PROMETHEUS_MULTIPROC_DIR.mkdir(parents=True, exist_ok=True)
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(PROMETHEUS_MULTIPROC_DIR)
+# Notifications: e-mail through Django's mail backends (console on the embedded default).
+EMAIL_BACKEND = env_str("HANGAR_EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("HANGAR_EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("HANGAR_EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("HANGAR_EMAIL_USER")
+EMAIL_HOST_PASSWORD = env_str("HANGAR_EMAIL_PASSWORD")
+EMAIL_USE_TLS = env_bool("HANGAR_EMAIL_TLS", False)
+DEFAULT_FROM_EMAIL = env_str("HANGAR_EMAIL_FROM", "hangar@localhost")
+HANGAR_PUBLIC_URL = env_str("HANGAR_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
+HANGAR_WEBHOOK_TIMEOUT_SECONDS = env_float("HANGAR_WEBHOOK_TIMEOUT_SECONDS", 5.0, minimum=0.1)
+HANGAR_WEBHOOK_MAX_TRIES = env_int("HANGAR_WEBHOOK_MAX_TRIES", 5, minimum=1)
+# Retry n waits HANGAR_WEBHOOK_BACKOFF_SECONDS * 2**(n-1).
+HANGAR_WEBHOOK_BACKOFF_SECONDS = env_float("HANGAR_WEBHOOK_BACKOFF_SECONDS", 10.0, minimum=0.0)

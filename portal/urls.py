@@ -29,10 +29,12 @@ urlpatterns = [
     path("tokens/<int:pk>/revoke/", views.revoke_token, name="token-revoke"),
     path("fleet/", include("fleet.urls")),
     path("costs/", include("jobs.urls_costs")),
+    path("notifications/", include("jobs.urls_notify")),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # The split view serves its start-up code as a script of its own: no inline script (CSP).
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-redoc"),
     path("admin/", admin.site.urls),
+    path("metrics", include("jobs.urls_metrics")),
 ]

@@ -4,10 +4,12 @@ from rest_framework.routers import SimpleRouter
 from jobs.api.costs import CostJobsView, CostSummaryView
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
+from jobs.api.notify import SubscriptionViewSet
 from jobs.api.views import JobViewSet, PriorityListView, QueueView
 
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="api-job")
+router.register("subscriptions", SubscriptionViewSet, basename="api-subscription")
 urlpatterns = [
     path("queue/", QueueView.as_view(), name="api-queue"),
     path("priorities/", PriorityListView.as_view(), name="api-priorities"),

@@ -6,6 +6,7 @@ from jobs.models.cost import Budget, CostDaily, GpuRate, JobCost, attempt_cost_o
 from jobs.models.environment import Environment, EnvironmentKind
 from jobs.models.job import Job, JobEvent, JobQuerySet
 from jobs.models.logs import LogLine, Severity, Stream
+from jobs.models.notify import Channel, Delivery, DeliveryState, Event, Subscription
 from jobs.models.states import (
     ACTIVE_ATTEMPT_STATES,
     FINAL_JOB_STATES,
@@ -25,9 +26,13 @@ __all__ = [
     "Attempt",
     "AttemptState",
     "Budget",
+    "Channel",
     "CostDaily",
+    "Delivery",
+    "DeliveryState",
     "Environment",
     "EnvironmentKind",
+    "Event",
     "FailureClass",
     "GpuRate",
     "Job",
@@ -40,6 +45,7 @@ __all__ = [
     "PriorityClass",
     "Severity",
     "Stream",
+    "Subscription",
     "attempt_cost_of",
     "lease_from",
     "next_month",

@@ -1,4 +1,4 @@
-"""`manage.py up`: the whole product on one machine (web, scheduler, one node agent)."""
+"""`manage.py up`: the whole product on one machine (web, scheduler, notifier, one node agent)."""
 
 import os
 import secrets
@@ -37,20 +37,36 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         call_command("example_rates")  # a first start has no rate: cost pages would read 0.00
         call_command("venv_environment")  # the local agent runs jobs in this virtualenv on request
+        reset_process_metrics()
         login = ensure_admin()
         ensure_default_project()
+        self.prepare()
         started = timezone.now()
         children = start_children(host, port, no_agent, no_scheduler)
         try:
+            children.update(self.more_children())
             wait_for_port(host, port, children)
             if not no_agent:
                 wait_for_agent(started, children)
             self.banner(host, port, login, no_agent)
-            watch(children)
+            self.run_until_stopped(children)
         except KeyboardInterrupt:
             pass
         finally:
             stop(children)
+
+    # Hooks for commands that start more (`manage.py demo`: its fleet and its job generator).
+    def prepare(self) -> None:
+        """After migrations and the admin user, before any process starts."""
+
+    def more_children(self) -> dict[str, subprocess.Popen]:
+        return {}
+
+    def run_until_stopped(self, children: dict[str, subprocess.Popen]) -> None:
+        watch(children)
+
+    def fleet_line(self, no_agent: bool) -> str:
+        return "  agent: not started (--no-agent)" if no_agent else "  a node agent for this machine is running"
 
     def banner(self, host, port, login: str, no_agent: bool) -> None:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -59,7 +75,7 @@ class Command(BaseCommand):
             f"  Hangar is running at http://{shown_host}:{port}/",
             f"  {login}",
             f"  data directory: {settings.DATA_DIR}",
-            "  agent: not started (--no-agent)" if no_agent else "  a node agent for this machine is running",
+            self.fleet_line(no_agent),
             "  Press Ctrl-C to stop.",
             "",
         ]
@@ -74,6 +90,14 @@ def check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise CommandError(f"cannot listen on {host}:{port} ({exc.strerror}); set HANGAR_PORT or --port") from exc
+
+
+def reset_process_metrics() -> None:
+    """The processes' own measurements (prometheus-client multiprocess files) start again with
+    the processes; the files of the previous run's processes would be summed in for ever."""
+    folder = settings.PROMETHEUS_MULTIPROC_DIR
+    for path in folder.glob("*.db"):
+        path.unlink(missing_ok=True)
 
 
 def ensure_admin() -> str:
@@ -97,10 +121,14 @@ def ensure_default_project() -> None:
         Membership.objects.get_or_create(project=project, user=admin, defaults={"role": Role.ADMIN})
 
 
+def child_env() -> dict[str, str]:
+    return {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
+
+
 def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = False) -> dict[str, subprocess.Popen]:
     python = sys.executable
     manage = str(settings.BASE_DIR / "manage.py")
-    env = {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
+    env = child_env()
     children = {}
     # More web processes use more cores: the API's throughput scales with them.
     workers = settings.HANGAR_WEB_WORKERS
@@ -109,7 +137,7 @@ def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = Fa
         argv = [python, "-m", "portal.webserver", str(sock.fileno())]
         with sock:  # the child keeps its own copy
             children[name] = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, pass_fds=[sock.fileno()])
-    commands = {"scheduler": [python, manage, "scheduler"]}
+    commands = {"scheduler": [python, manage, "scheduler"], "notifier": [python, manage, "notifier"]}
     if no_scheduler:
         del commands["scheduler"]
     if not no_agent:
