@@ -28,11 +28,7 @@ def filter_context(request, f: CostFilter) -> dict:
     fleet_types = set(Node.objects.values_list("gpu_model", flat=True)) - {"none"}
     return {
         "unpriced": GpuRate.unpriced(fleet_types),
-        "example_rates": sorted(
-            GpuRate.objects.filter(note=GpuRate.EXAMPLE_NOTE, gpu_type__in=fleet_types).values_list(
-                "gpu_type", flat=True
-            )
-        ),
+        "example_rates": GpuRate.examples_in_force(fleet_types),
         "f": f,
         "projects": projects,
         "gpu_types": gpu_types,

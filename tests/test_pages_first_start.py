@@ -78,3 +78,10 @@ def test_the_virtualenv_hangar_runs_in_is_a_named_host_environment(db):
 
     environment = Environment.objects.get(name="hangar-venv")
     assert environment.kind == "host" and environment.path == sys.prefix and not environment.everywhere
+
+
+def test_an_example_rate_replaced_by_a_real_one_is_no_longer_called_an_example(owner, project, node):
+    call_command("example_rates")
+    GpuRate.objects.create(gpu_type="H100", effective_from="2026-01-01T00:00Z", per_gpu_hour="3.10")
+
+    assert "are examples seeded at first start" not in signed_in(owner).get("/costs/").content.decode()

@@ -45,6 +45,16 @@ class GpuRate(models.Model):
         return list(cls.EXAMPLES)
 
     @classmethod
+    def examples_in_force(cls, gpu_types) -> list[str]:
+        """Of these GPU types, those whose rate in force now is a seeded example."""
+        now, latest = timezone.now(), {}
+        for gpu_type, note in cls.objects.filter(gpu_type__in=list(gpu_types), effective_from__lte=now).values_list(
+            "gpu_type", "note"
+        ):  # ordered by type, then effective_from: the last one per type is in force
+            latest[gpu_type] = note
+        return sorted(t for t, note in latest.items() if note == cls.EXAMPLE_NOTE)
+
+    @classmethod
     def unpriced(cls, gpu_types) -> list[str]:
         """Of these GPU types, those with no rate: their GPU time costs nothing."""
         priced = set(cls.objects.filter(gpu_type__in=list(gpu_types)).values_list("gpu_type", flat=True))
