@@ -499,7 +499,8 @@ def test_a_two_node_torch_gloo_job_all_reduces_from_its_sandboxes(
     transactional_db, project, owner, sandboxed, settings
 ):
     """A real torch.distributed job under the sandbox. The suite's interpreter may be out of job
-    uids' reach (pyenv under /root), so the system's python3 runs it with the suite's torch."""
+    uids' reach (pyenv under /root), so the system's python3 runs it with the suite's torch,
+    mounted as a read-only volume (the checkout may be under /tmp, private in a sandbox)."""
     torch = pytest.importorskip("torch")
     from agent import running
 
@@ -511,6 +512,7 @@ def test_a_two_node_torch_gloo_job_all_reduces_from_its_sandboxes(
     job = make_job(
         project, owner, command=[SYSTEM_PYTHON, "-c", GLOO_ALL_REDUCE], nodes=2, gpus_per_node=1,
         env={"PYTHONPATH": packages, "GLOO_SOCKET_IFNAME": "lo"},
+        volumes=[{"name": "torch", "path": packages, "mode": "ro", "version": ""}],
     )  # fmt: skip
     (attempt,) = scheduler.schedule_pass()
     with socket.socket() as probe:
