@@ -25,4 +25,4 @@ class Command(BaseCommand):
                 "everywhere": False,
             },
         )
-        self.stdout.write(NAME)
+        self.stdout.write(f"host environment {NAME}: {sys.prefix} (jobs: --environment {NAME})")
