@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.livestack import UNSANDBOXED  # noqa: E402
+
 
 def percentile(values: list[float], pct: float) -> float:
     ordered = sorted(values)
@@ -103,7 +105,7 @@ def main() -> None:
 
 SANDBOX_ENV = {
     "on": {"HANGAR_SANDBOX": "on", "HANGAR_JOB_UID_RANGE": "200000-299999"},
-    "off": {"HANGAR_SANDBOX": "off", "HANGAR_JOB_UID_RANGE": "off"},
+    "off": UNSANDBOXED,
 }
 MODEL = {"off": "H100", "on": "H200"}  # each agent's simulated GPUs: a job's gpu_type picks its agent
 

@@ -31,6 +31,11 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
+# A stack whose jobs run this interpreter, which job uids may not reach (pyenv's under /root):
+# jobs run as the agent's user, unsandboxed. (bench/start_latency.py --sandbox measures the sandbox.)
+UNSANDBOXED = {"HANGAR_SANDBOX": "off", "HANGAR_JOB_UID_RANGE": "off"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
