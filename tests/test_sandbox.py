@@ -453,27 +453,8 @@ else:
 def test_the_ranks_of_a_two_node_job_reach_each_other_from_their_sandboxes(
     transactional_db, project, owner, sandboxed, settings
 ):
-    from agent import running
+    job, attempt, lines = run_two_ranks(project, owner, settings, command=[SYSTEM_PYTHON, "-c", RANKS])
 
-    running.CURRENT = None  # preflight asks this process's agent, if any: none here
-    for name in ("node-a", "node-b"):
-        node = make_node(name, gpus=1, hostname="127.0.0.1")  # two agents on one machine
-        GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
-    job = make_job(project, owner, command=[SYSTEM_PYTHON, "-c", RANKS], nodes=2, gpus_per_node=1)
-    (attempt,) = scheduler.schedule_pass()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        settings.HANGAR_MASTER_PORT_BASE = probe.getsockname()[1] - attempt.pk % 1000
-
-    threads = [threading.Thread(target=execution.run_attempt, args=(attempt.pk, r)) for r in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
-
-    job.refresh_from_db()
-    attempt.refresh_from_db()
-    lines = lines_of(attempt)
     assert job.state == "succeeded", (attempt.reason, lines)
     assert "rank 0 served" in lines and "rank 1 got hello from rank 0" in lines, lines
     assert job.checkpoint_dir().parent.stat().st_uid == 200000 + job.pk  # both ranks: the job's one uid
@@ -502,32 +483,36 @@ def test_a_two_node_torch_gloo_job_all_reduces_from_its_sandboxes(
     uids' reach (pyenv under /root), so the system's python3 runs it with the suite's torch,
     mounted as a read-only volume (the checkout may be under /tmp, private in a sandbox)."""
     torch = pytest.importorskip("torch")
-    from agent import running
-
-    running.CURRENT = None
-    for name in ("node-a", "node-b"):
-        node = make_node(name, gpus=1, hostname="127.0.0.1")
-        GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
     packages = os.path.dirname(os.path.dirname(torch.__file__))
-    job = make_job(
-        project, owner, command=[SYSTEM_PYTHON, "-c", GLOO_ALL_REDUCE], nodes=2, gpus_per_node=1,
+    job, attempt, lines = run_two_ranks(
+        project, owner, settings, command=[SYSTEM_PYTHON, "-c", GLOO_ALL_REDUCE],
         env={"PYTHONPATH": packages, "GLOO_SOCKET_IFNAME": "lo"},
         volumes=[{"name": "torch", "path": packages, "mode": "ro", "version": ""}],
     )  # fmt: skip
+    assert job.state == "succeeded", (attempt.reason, lines)
+    uid = 200000 + job.pk
+    assert f"rank=0 uid={uid} sum=3" in lines and f"rank=1 uid={uid} sum=3" in lines, lines
+
+
+def run_two_ranks(project, owner, settings, **fields):
+    """A 2-node job of one GPU a node, both nodes on this machine, each rank run here as its agent
+    would: (the job, its attempt, its log lines) once both ranks ended."""
+    from agent import running
+
+    running.CURRENT = None  # preflight asks this process's agent, if any: none here
+    for name in ("node-a", "node-b"):
+        node = make_node(name, gpus=1, hostname="127.0.0.1")  # two agents on one machine
+        GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    job = make_job(project, owner, nodes=2, gpus_per_node=1, **fields)
     (attempt,) = scheduler.schedule_pass()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         settings.HANGAR_MASTER_PORT_BASE = probe.getsockname()[1] - attempt.pk % 1000
-
     threads = [threading.Thread(target=execution.run_attempt, args=(attempt.pk, r)) for r in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-
     job.refresh_from_db()
     attempt.refresh_from_db()
-    lines = lines_of(attempt)
-    assert job.state == "succeeded", (attempt.reason, lines)
-    uid = 200000 + job.pk
-    assert f"rank=0 uid={uid} sum=3" in lines and f"rank=1 uid={uid} sum=3" in lines, lines
+    return job, attempt, lines_of(attempt)
