@@ -117,3 +117,21 @@ def test_hangar_submit_after_names_the_jobs_to_wait_for(tmp_path, monkeypatch):
     bad = cli.parser().parse_args(["submit", "--after", "12:soon", "--", "true"])
     with pytest.raises(cli.HangarError, match="write JOB or JOB:finished"):
         cli.job_spec(bad)
+
+
+def test_asking_a_started_job_to_stop_does_not_announce_that_it_ended(owner, project, node):
+    from jobs.signals import job_ended
+
+    heard = []
+    listener = lambda sender, job, **kwargs: heard.append(job.pk)  # noqa: E731
+    job_ended.connect(listener)
+    try:
+        running = make_job(project, owner)
+        make_attempt(running, node, AttemptState.RUNNING)
+        queued = make_job(project, owner, name="queued")
+
+        assert running.cancel(owner, "stop") and running.state == JobState.RUNNING  # asked, not ended
+        assert queued.cancel(owner, "not needed")
+    finally:
+        job_ended.disconnect(listener)
+    assert heard == [queued.pk]

@@ -137,13 +137,16 @@ class Job(models.Model):
                 failure_class=FailureClass.CANCELLED,
                 state_reason=reason,
             ):
-                done = True
+                ended_here = done = True
             else:
-                done = self._cancel_attempt(reason)
+                # An attempt not yet started ends now (attempt_finished tells of it); a started
+                # one is only asked to stop: the job has not ended yet.
+                ended_here, done = False, self._cancel_attempt(reason)
             if done:
                 AuditEvent.record(by, "job.cancel", self, reason=reason)
                 JobEvent.objects.create(job=self, kind="cancel", message=reason)
-                job_ended.send(sender=Job, job=self)  # a queued job ends here, with no attempt
+                if ended_here:
+                    job_ended.send(sender=Job, job=self)  # a queued or blocked job ends here, with no attempt
                 wakeup.request_pass()  # a waiting job may have held back smaller ones
         self.refresh_from_db()
         return done
