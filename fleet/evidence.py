@@ -29,21 +29,50 @@ def readable_attempts(user, attempt_ids) -> set[int]:
     return set(visible.values_list("pk", flat=True))
 
 
+# Where a job's report came from (agent/watch.py): ids of another project's attempt and user.
+SOURCE_KEYS = ("attempt", "user", "rank", "rank_seq")
+
+
 def redacted(evidence: dict) -> dict:
-    out = {key: value for key, value in evidence.items() if key not in OUTPUT_KEYS}
+    out = {key: value for key, value in evidence.items() if key not in OUTPUT_KEYS + SOURCE_KEYS}
     if any(key in evidence for key in OUTPUT_KEYS):
         out["line"] = f"(printed by {OTHER_PROJECT})"
     out["job"] = OTHER_PROJECT
     return out
 
 
+def attempt_refs(value) -> set[int]:
+    """The attempts a piece of evidence cites at any depth (a cordon's evidence lists the other
+    events that agree with it, each with the attempt whose output it came from)."""
+    if isinstance(value, list):
+        return set().union(*(attempt_refs(v) for v in value)) if value else set()
+    if not isinstance(value, dict):
+        return set()
+    found = {value["attempt"]} if isinstance(value.get("attempt"), int) else set()
+    return found.union(*(attempt_refs(v) for v in value.values()))
+
+
+def scrubbed(value, readable: set[int]):
+    """`value` with every piece that cites an attempt outside `readable` redacted."""
+    if isinstance(value, list):
+        return [scrubbed(v, readable) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {key: scrubbed(v, readable) for key, v in value.items()}
+    cited = value.get("attempt")
+    return redacted(out) if isinstance(cited, int) and cited not in readable else out
+
+
 def redact(rows, user, evidence_is_dict: bool = True) -> list:
     """Health events or checks as `user` may see them: others' attempts and output replaced.
     Sets `other_project` on each row (True where something was hidden); never saved."""
     rows = list(rows)
-    readable = readable_attempts(user, [row.attempt_id for row in rows])
+    cited = set().union(*(attempt_refs(row.evidence) for row in rows)) if evidence_is_dict and rows else set()
+    readable = readable_attempts(user, {row.attempt_id for row in rows} | cited)
     for row in rows:
         row.other_project = bool(row.attempt_id) and row.attempt_id not in readable
+        if evidence_is_dict and isinstance(row.evidence, dict):
+            row.evidence = scrubbed(row.evidence, readable)
         if row.other_project:
             row.attempt_id = None
             if evidence_is_dict and isinstance(row.evidence, dict):
@@ -58,10 +87,15 @@ def redact_history(history, user) -> list:
     history = list(history)
     event_ids = {(h.detail.get("evidence") or {}).get("health_event") for h in history if isinstance(h.detail, dict)}
     attempts = dict(HealthEvent.objects.filter(pk__in=event_ids - {None}).values_list("pk", "attempt_id"))
-    readable = readable_attempts(user, attempts.values())
+    cited = set().union(*(attempt_refs(h.detail) for h in history)) if history else set()
+    readable = readable_attempts(user, set(attempts.values()) | cited)
     for row in history:
         evidence = row.detail.get("evidence") if isinstance(row.detail, dict) else None
-        attempt_id = attempts.get(evidence.get("health_event")) if isinstance(evidence, dict) else None
+        if not isinstance(evidence, dict):
+            continue
+        evidence = scrubbed(evidence, readable)
+        attempt_id = attempts.get(evidence.get("health_event"))
         if attempt_id and attempt_id not in readable:
-            row.detail = {**row.detail, "evidence": redacted(evidence)}
+            evidence = redacted(evidence)
+        row.detail = {**row.detail, "evidence": evidence}
     return history

@@ -58,3 +58,26 @@ def test_the_node_api_hides_others_attempts_and_output(leaky_node, owner, outsid
     mine = api_client(outsider).get("/api/v1/nodes/node-a/events/").json()["results"]
     assert mine[0]["attempt"] == attempt.pk and mine[0]["evidence"]["line"] == SECRET
     assert mine[0]["other_project"] is False
+
+
+def test_a_cordons_evidence_cites_other_jobs_reports_only_to_their_projects(
+    node, project, owner, other_project, outsider
+):
+    """A cordon's evidence lists the other reports that agree with it, each with the line and the
+    attempt and user it came from: those of another project are redacted too, at any depth."""
+    theirs = make_attempt(make_job(other_project, outsider), node, "failed")
+    mine = make_attempt(make_job(project, owner, name="mine"), node, "failed")
+    cited = {"source": "output", "kind": "nccl", "line": SECRET, "attempt": theirs.pk, "user": outsider.pk}
+    event = HealthEvent.objects.create(
+        node=node, attempt=mine, kind="nccl", severity="critical", message="NCCL failure reported by two users",
+        evidence={"line": "my own NCCL WARN line", "attempt": mine.pk, "related_events": [cited]}, action="cordoned",
+    )  # fmt: skip
+    node.auto_cordon("NCCL failure reported by two users", {"health_event": event.pk, **event.evidence})
+
+    page = page_of(owner)
+    events = api_client(owner).get("/api/v1/nodes/node-a/events/").json()["results"]
+    assert SECRET not in page and SECRET not in str(events)
+    assert "my own NCCL WARN line" in page  # its own report stays readable
+    related = events[0]["evidence"]["related_events"][0]
+    assert related["job"] == "a job of another project" and "attempt" not in related and "user" not in related
+    assert SECRET in page_of(outsider)
