@@ -6,11 +6,12 @@ import pytest
 
 from portal.models import Role
 from tests.factories import make_node, make_project, make_user
+from tests.livestack import UNSANDBOXED
 
 # The suite's jobs run as the test's own user, unsandboxed (its interpreter may be out of
 # other uids' reach); tests/test_sandbox.py and the agent drills turn isolation on.
-os.environ.setdefault("HANGAR_SANDBOX", "off")
-os.environ.setdefault("HANGAR_JOB_UID_RANGE", "off")
+for name, value in UNSANDBOXED.items():
+    os.environ.setdefault(name, value)
 
 
 @pytest.fixture(autouse=True)
