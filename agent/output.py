@@ -40,6 +40,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from agent.watch import observe_output
+from jobs import logmetrics, tracking
 from jobs.logparse import SeverityReader, decode_line, is_fault
 from jobs.logstore import AttemptNotCurrent, NewLine, store_lines
 from jobs.messages import LogAppendedHint, job_group
@@ -185,6 +186,9 @@ class LogWriter(threading.Thread):
         self.batches = 0
         self.stored = 0
         self.parsed: queue.Queue = queue.Queue(maxsize=1)  # parser -> storer; None ends
+        # metrics_from_log (jobs/logmetrics.py): matched by the parser, sent to MLflow by the storer.
+        self.metrics = logmetrics.for_job(attempt.job, rank) if tracking.enabled() else None
+        self.metric_points: queue.SimpleQueue = queue.SimpleQueue()
         self.layer = get_channel_layer()
         # One event loop for all of this writer's hints, so the channel layer keeps
         # its Redis connection instead of opening one per batch.
@@ -259,6 +263,8 @@ class LogWriter(threading.Thread):
                 if rows is None:
                     break
                 self.deliver(rows)
+                self.send_metrics()
+            self.send_metrics()
             self.flush_spool(settings.HANGAR_LOG_SPOOL_FLUSH_SECONDS)
             if self.late_lines and not self.spool:  # every spooled line is stored: say which came late
                 self.note_late_lines()
@@ -305,8 +311,18 @@ class LogWriter(threading.Thread):
                 rows.extend(self.line(stream, ts, line, cut) for line, cut in raw)
             else:
                 rows.append(self.line(stream, ts, raw, flag))
+        if self.metrics is not None and (points := self.metrics.take()):
+            self.metric_points.put(points)
         if rows:
             self.hand_over(rows, storer)
+
+    def send_metrics(self) -> None:
+        """The metrics matched in the lines parsed so far, to the job's MLflow run (the storer's thread)."""
+        points = []
+        while not self.metric_points.empty():
+            points.extend(self.metric_points.get_nowait())
+        if points:
+            logmetrics.send(self.attempt.job.mlflow_run_id, points)
 
     def line(self, stream: int, ts, raw: bytes, flag: bool) -> NewLine:
         """One line, parsed. Per-line checks of the job's output (fault scans) belong here."""
@@ -317,6 +333,8 @@ class LogWriter(threading.Thread):
             text = decode_line(raw, truncated=flag)
             severity = self.severity[stream](text)
             observe_output(self.attempt, text, self.rank, self.read + 1)  # NCCL/ECC/Xid: fleet health
+            if self.metrics is not None:
+                self.metrics.scan(text)  # metrics_from_log: each line once, here
         attempt = self.attempt
         self.read += 1
         return NewLine(

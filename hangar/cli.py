@@ -27,6 +27,7 @@ from hangar.client import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     EXIT_WAIT_TIMEOUT,
+    FINAL_STATES,
     Client,
     HangarError,
     load_config,
@@ -263,13 +264,85 @@ def cmd_resubmit(args) -> int:
 
 
 def cmd_wait(args) -> int:
-    job = api_from(args).wait(args.job, args.timeout)
-    emit(
-        args,
-        job,
-        f"job {job['id']}: {job['state']}" + (f", exit {job['exit_code']}" if job["exit_code"] is not None else ""),
+    """Wait for every job (one deadline for all); with --json, print each one's result document
+    (`hangar result`) on a line of its own, in the order given. The exit code is 124 when the
+    timeout ran out (the documents still printed, with their current state), else the first
+    non-zero outcome in that order, else 0."""
+    api = api_from(args)
+    jobs, timed_out = api.wait_all(args.job, args.timeout)
+    for job in jobs:
+        if args.json:
+            print(json.dumps(api.result(job["id"]), default=str), flush=True)
+        else:
+            exit_text = f", exit {job['exit_code']}" if job.get("exit_code") is not None else ""
+            print(f"job {job['id']}: {job['state']}{exit_text}")
+    if timed_out:
+        waiting = [str(j["id"]) for j in jobs if j["state"] not in FINAL_STATES]
+        print(f"hangar: job {', '.join(waiting)} still not ended after {args.timeout:g}s", file=sys.stderr)
+        return EXIT_WAIT_TIMEOUT
+    return next((code for code in map(outcome_code, jobs) if code != EXIT_OK), EXIT_OK)
+
+
+# --- results, metrics, compare (README: Agents) -------------------------------------
+
+
+def describe_result(doc: dict) -> str:
+    exit_text = f", exit {doc['exit_code']}" if doc.get("exit_code") is not None else ""
+    why = f" ({doc['failure_class']})" if doc.get("failure_class") else ""
+    lines = [f"job {doc['id']} {doc['name']} [{doc['project']}]: {doc['state']}{exit_text}{why}"]
+    if objective := doc.get("objective"):
+        value = objective["value"] if objective.get("found") else "not logged"
+        lines.append(f"  objective: {objective['metric']} ({objective['mode']}) = {value}")
+    if found := doc.get("diagnosis"):
+        lines += [f"  why:       {found['category']}: {found['summary']}", f"  hint:      {found['hint']}"]
+    times, cost = doc["times"], doc["cost"]
+    lines.append(
+        f"  time:      queued {times['queued_seconds']:.1f}s, preflight {times['preflight_seconds']:.1f}s, "
+        f"running {times['running_seconds']:.1f}s; cost {cost['total']} ({cost['gpu_hours']} GPU-hours)"
     )
-    return outcome_code(job)
+    rows = [{"metric": k, "last": v["last"]["value"], "best": v["best"]["value"], "step": v["last"]["step"]}
+            for k, v in doc["metrics"].items()]  # fmt: skip
+    if rows:
+        lines += ["", table(rows, ["metric", "last", "best", "step"])]
+    if first := doc.get("first_error"):
+        lines += ["", f"first error (seq {first['seq']}, rank {first['rank']}): {first['text']}"]
+    if doc["log_tail"]:
+        lines += ["", "last lines:"] + [f"  {line['text']}" for line in doc["log_tail"]]
+    return "\n".join(lines)
+
+
+def cmd_result(args) -> int:
+    doc = api_from(args).result(args.job)
+    emit(args, doc, describe_result(doc))
+    return EXIT_OK
+
+
+def cmd_metrics(args) -> int:
+    body = api_from(args).get(f"/api/v1/jobs/{args.job}/metrics/")
+    body.pop("figure", None)  # the page's chart, not data
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return EXIT_OK
+    if not body["series"]:
+        print(f"job {args.job}: no metrics ({body.get('reason') or 'none logged'})")
+    for name, points in body["series"].items():
+        print(f"{name}: " + " ".join(f"{step}:{value:g}" for step, value, _ in points))
+    return EXIT_OK
+
+
+def cmd_compare(args) -> int:
+    body = api_from(args).get("/api/v1/jobs/compare/", a=args.a, b=args.b)
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return EXIT_OK
+    out = [f"job {args.a} vs job {args.b}" + (f": job {body['better']} is better" if body.get("better") else "")]
+    out += [f"  {row['field']}: {row['a']} | {row['b']}" for row in body["spec_differences"]]
+    rows = [{"metric": m["metric"], f"last {args.a}": (m["a"] or {}).get("last", {}).get("value"),
+             f"last {args.b}": (m["b"] or {}).get("last", {}).get("value")} for m in body["metrics"]]  # fmt: skip
+    if rows:
+        out += ["", table(rows, list(rows[0]))]
+    print("\n".join(out))
+    return EXIT_OK
 
 
 # --- logs -------------------------------------------------------------------------
@@ -516,9 +589,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grep", help="a regular expression, case-insensitive (as the API's q=...&regex=1)")
     p.add_argument("--after", metavar="ATTEMPT:SEQ", help="resume after this cursor (each --json line has its own)")
 
-    p = command("wait", cmd_wait, "wait for a job to end; exit 0 succeeded, 1 failed, 3 cancelled, 4 infra")
+    p = command(
+        "wait",
+        cmd_wait,
+        "wait for jobs to end; exit 0 succeeded, 1 failed, 3 cancelled, 4 infra or timeout, 124 --timeout ran out; "
+        "--json prints each job's result document on its own line",
+    )
+    p.add_argument("job", type=int, nargs="+")
+    p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 124)")
+
+    p = command("result", cmd_result, "a job's result: outcome, diagnosis, metrics, objective, log tail, cost, times")
     p.add_argument("job", type=int)
-    p.add_argument("--timeout", type=float)
+
+    p = command("metrics", cmd_metrics, "a job's metric histories (MLflow): step, value, time in ms")
+    p.add_argument("job", type=int)
+
+    p = command("compare", cmd_compare, "two jobs side by side: spec differences, metrics, objective")
+    p.add_argument("a", type=int)
+    p.add_argument("b", type=int)
 
     p = command("cancel", cmd_cancel, "cancel a job")
     p.add_argument("job", type=int)

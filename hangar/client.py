@@ -127,6 +127,25 @@ class Client:
             time.sleep(delay)
             delay = min(delay * 1.5, 2.0)
 
+    def wait_all(self, job_ids: list[int], timeout: float | None = None) -> tuple[list[dict], bool]:
+        """Poll the jobs until all ended or `timeout` ran out: (each job as it is now, in order; timed out)."""
+        deadline = time.monotonic() + timeout if timeout else None
+        delay, jobs = 0.2, {}
+        while True:
+            for job_id in job_ids:
+                if jobs.get(job_id, {}).get("state") not in FINAL_STATES:
+                    jobs[job_id] = self.job(job_id)
+            if all(job["state"] in FINAL_STATES for job in jobs.values()):
+                return [jobs[i] for i in job_ids], False
+            if deadline and time.monotonic() > deadline:
+                return [jobs[i] for i in job_ids], True
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+
+    def result(self, job_id: int) -> dict:
+        """The job's result document: outcome, diagnosis, metrics, objective, log tail, cost, times."""
+        return self.get(f"/api/v1/jobs/{job_id}/result/")
+
     def priorities(self) -> list[dict]:
         """The server's priority classes, highest first."""
         return self.get("/api/v1/priorities/")

@@ -18,6 +18,8 @@ SPEC_FIELDS = [
     "environment",
     "config",
     "data_refs",
+    "objective",
+    "metrics_from_log",
 ]
 
 
@@ -62,7 +64,7 @@ def clone_data(job) -> dict:
         max_retries=job.max_retries,
         stop_on_hang=job.stop_on_hang,
     )
-    return {k: v for k, v in data.items() if v not in ("", None)}
+    return {k: v for k, v in data.items() if v not in ("", None) and not (k == "objective" and not v)}
 
 
 def diff(a: dict, b: dict, fields: list[str]) -> list[dict]:

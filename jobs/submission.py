@@ -185,6 +185,9 @@ def create(user, checked: dict) -> Job:
             code_version=checked.get("code_version", ""),
             config=checked.get("config") or {},
             data_refs=checked.get("data_refs", []),
+            objective=dict(checked.get("objective") or {}),
+            metrics_from_log=checked.get("metrics_from_log", ""),
+            submitted_with_id=checked.get("submitted_with"),
         )
         JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
         if job.state == JobState.BLOCKED:

@@ -109,6 +109,7 @@ class Membership(models.Model):
 
 
 TOKEN_PREFIX = "hgr_"
+LIMIT_FIELDS = ("max_running_jobs", "max_gpus", "max_gpu_hours_per_day", "max_spend_per_day")
 
 
 def hash_token(raw: str) -> str:
@@ -133,6 +134,19 @@ class ApiToken(models.Model):
         Project, null=True, blank=True, on_delete=models.CASCADE, related_name="+", help_text="Blank: all projects."
     )
     read_only = models.BooleanField(default=False)
+    # Limits on what jobs submitted with it may hold or use (jobs/tokenlimits.py); blank: none.
+    max_running_jobs = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Unfinished jobs (queued or running) at once; blank: no limit."
+    )
+    max_gpus = models.PositiveIntegerField(
+        null=True, blank=True, help_text="GPUs its unfinished jobs ask for at once; blank: no limit."
+    )
+    max_gpu_hours_per_day = models.DecimalField(
+        max_digits=10, decimal_places=2, null=True, blank=True, help_text="GPU-hours a UTC day; blank: no limit."
+    )
+    max_spend_per_day = models.DecimalField(
+        max_digits=12, decimal_places=2, null=True, blank=True, help_text="Spend a UTC day; blank: no limit."
+    )
     digest = models.CharField(max_length=64, unique=True)
     hint = models.CharField(max_length=12, help_text="First characters, to recognise the token.")
     created_at = models.DateTimeField(default=timezone.now)
@@ -145,13 +159,18 @@ class ApiToken(models.Model):
         return f"{self.name} ({self.hint}…)"
 
     @classmethod
-    def issue(cls, user, name: str, project: Project | None = None, read_only: bool = False) -> tuple["ApiToken", str]:
-        """Create a token and return it with its secret, which is shown this once."""
+    def issue(
+        cls, user, name: str, project: Project | None = None, read_only: bool = False, **limits
+    ) -> tuple["ApiToken", str]:
+        """Create a token and return it with its secret, which is shown this once.
+        `limits`: any of LIMIT_FIELDS (None: no limit)."""
         raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        limits = {k: v for k, v in limits.items() if k in LIMIT_FIELDS and v is not None}
         token = cls.objects.create(
-            user=user, name=name, digest=hash_token(raw), hint=raw[:10], project=project, read_only=read_only
+            user=user, name=name, digest=hash_token(raw), hint=raw[:10], project=project, read_only=read_only, **limits
         )
         detail = {"name": name, "project": project.slug if project else None, "read_only": read_only}
+        detail.update({k: str(v) for k, v in limits.items()})
         AuditEvent.record(user, "token.create", token, detail=detail)
         return token, raw
 
@@ -174,7 +193,13 @@ class ApiToken(models.Model):
             cls.objects.filter(pk=token.pk).update(last_used_at=now)
         token.user.token_project_id = token.project_id
         token.user.token_read_only = token.read_only
+        token.user.api_token_id = token.pk  # submit_job counts the job against this token's limits
         return token
+
+    @property
+    def limits(self) -> dict:
+        """The limits set on it (None: none)."""
+        return {name: getattr(self, name) for name in LIMIT_FIELDS}
 
 
 def volume_env_name(name: str) -> str:

@@ -4,10 +4,11 @@ import re
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from jobs import jobspec
+from jobs import jobspec, logmetrics
 from jobs.models import Attempt, Job
 from jobs.submission import submit_job
 from portal.models import VolumeMode
+from portal.patterns import PatternError
 
 SECRET_MASK = "********"
 DATETIME = serializers.DateTimeField()  # formats as the API's datetimes do (ISO 8601, Z for UTC)
@@ -98,6 +99,29 @@ class DependencySerializer(serializers.Serializer):
     )
 
 
+class ObjectiveSerializer(serializers.Serializer):
+    """What a job is scored by: one of its metrics, and whether lower or higher is better."""
+
+    metric = Text(
+        max_length=logmetrics.MAX_NAME_CHARS,
+        error_messages={"required": "is required: the name of a metric the job logs, e.g. val_loss"},
+    )
+    mode = serializers.ChoiceField(
+        choices=["min", "max"],
+        error_messages={
+            "required": "is required: min (lower is better, a loss) or max (higher is better, an accuracy)",
+            "invalid_choice": "{input} is not a mode; use min (lower is better) or max (higher is better)",
+        },
+    )
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict) and (unknown := sorted(set(data) - {"metric", "mode"})):
+            raise serializers.ValidationError(
+                {name: "is not an objective field; give metric and mode only" for name in unknown}
+            )
+        return super().to_internal_value(data)
+
+
 class JobSubmitSerializer(serializers.Serializer):
     default_error_messages = {
         "invalid": 'the body must be a JSON object of job fields, e.g. {{"project": "vision", "command": ["python", '
@@ -171,6 +195,18 @@ class JobSubmitSerializer(serializers.Serializer):
         error_messages={"not_a_list": 'must be a list of strings, e.g. ["s3://bucket/imagenet@v3"]; got {input_type}'},
     )
 
+    objective = ObjectiveSerializer(
+        required=False,
+        help_text='What the job is scored by: {"metric": "val_loss", "mode": "min"}; its value is in the result.',
+    )
+    metrics_from_log = Text(
+        required=False,
+        allow_blank=True,
+        max_length=500,
+        help_text="An RE2 pattern with the named groups name and value (and optionally step): lines of rank 0 "
+        r"that match are logged to the job's MLflow run, e.g. (?P<name>val_loss): (?P<value>[-+0-9.eE]+)",
+    )
+
     def get_fields(self) -> dict:
         # DRF deep-copies every declared field, nested ones too, for each instance: a
         # millisecond a submit. These fields keep nothing between validations (a test
@@ -187,6 +223,14 @@ class JobSubmitSerializer(serializers.Serializer):
 
     def validate_env(self, env: dict) -> dict:
         return check_env_names(env)
+
+    def validate_metrics_from_log(self, text: str) -> str:
+        if text:
+            try:
+                logmetrics.compile_pattern(text)
+            except PatternError as exc:
+                raise serializers.ValidationError(exc.message)
+        return text
 
     def validate_secret_env(self, env: dict) -> dict:
         env = check_env_names(env)
@@ -338,6 +382,8 @@ class JobSerializer(serializers.ModelSerializer):
             "mlflow_experiment_id",
             "mlflow_run_id",
             "tracking_error",
+            "objective",
+            "metrics_from_log",
         ]
 
     def to_representation(self, job: Job) -> dict:
@@ -383,6 +429,8 @@ class JobSerializer(serializers.ModelSerializer):
             "mlflow_experiment_id": job.mlflow_experiment_id,
             "mlflow_run_id": job.mlflow_run_id,
             "tracking_error": job.tracking_error,
+            "objective": job.objective,
+            "metrics_from_log": job.metrics_from_log,
         }
 
     def attempts_json(self, job: Job) -> list[dict]:
@@ -422,4 +470,5 @@ class JobSerializer(serializers.ModelSerializer):
             "page": f"/jobs/{job.pk}/",
             "logs": f"/api/v1/jobs/{job.pk}/logs/",
             "logs_ws": f"/ws/jobs/{job.pk}/logs/",
+            "result": f"/api/v1/jobs/{job.pk}/result/",
         }

@@ -6,11 +6,11 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import APIException, PermissionDenied
+from rest_framework.exceptions import APIException, NotFound, PermissionDenied
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from jobs import jobspec, reproduce
+from jobs import jobspec, reproduce, results
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState, priority_classes
 from jobs.scheduler import queue_report
@@ -118,6 +118,33 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         submit = JobSubmitSerializer(data=spec, context={"request": request, "copy_of": job})
         submit.is_valid(raise_exception=True)
         return Response(JobSerializer(submit.save(), context={"created": True}).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        responses=OpenApiTypes.OBJECT,
+        description="The job's result in one document: state, exit code, failure class, diagnosis, every "
+        "metric's last and best value and step, the objective's value, the last 50 log lines and the first "
+        "error, cost, and the seconds queued / in preflight / running (README: Agents).",
+    )
+    @action(detail=True, methods=["get"], pagination_class=None)
+    def result(self, request, pk=None):
+        return Response(results.result(self.get_object()))
+
+    @extend_schema(
+        parameters=[OpenApiParameter("a", int, required=True), OpenApiParameter("b", int, required=True)],
+        responses=OpenApiTypes.OBJECT,
+        description="Two jobs side by side: the spec fields that differ, every metric, the objective, the outcome.",
+    )
+    @action(detail=False, methods=["get"], pagination_class=None)
+    def compare(self, request):
+        a, b = (int_param(request, name, 0) for name in ("a", "b"))
+        if not a or not b:
+            missing = "a" if not a else "b"
+            raise serializers.ValidationError({missing: "is required: give two job ids, e.g. ?a=12&b=15"})
+        jobs = Job.objects.visible_to(request.user).select_related("project", "environment")
+        found = {job.pk: job for job in jobs.filter(pk__in=[a, b])}
+        if a not in found or b not in found:
+            raise NotFound(f"no job {a if a not in found else b} in your projects; check the id")
+        return Response(results.comparison(found[a], found[b]))
 
     @extend_schema(responses=AttemptSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=None)

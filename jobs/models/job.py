@@ -83,6 +83,17 @@ class Job(models.Model):
     mlflow_experiment_id = models.CharField(max_length=64, blank=True)
     mlflow_run_id = models.CharField(max_length=64, blank=True)
     tracking_error = models.TextField(blank=True, help_text="Why metrics are unavailable, when they are.")
+    # The result contract (jobs/results.py): what the job is scored by, and metrics read from its log.
+    objective = models.JSONField(
+        default=dict, blank=True, help_text='{"metric": "val_loss", "mode": "min" | "max"}; empty: none.'
+    )
+    metrics_from_log = models.CharField(
+        max_length=500, blank=True, help_text="An RE2 pattern with groups (?P<name>...) and (?P<value>...)."
+    )
+    submitted_with = models.ForeignKey(
+        "portal.ApiToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs",
+        help_text="The API token it was submitted with: its limits count the job.",
+    )  # fmt: skip
 
     objects = JobQuerySet.as_manager()
 
