@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from rest_framework.exceptions import ValidationError
 
-from jobs import dependencies, jobspec
+from jobs import dependencies, jobspec, tokenlimits
 from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
 from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
@@ -46,6 +46,7 @@ def submit_job(user, spec: dict, copy_of: Job | None = None) -> Submitted:
     jobspec.check(checked, user, copy_of)  # container PATH and image, volume paths, network, copied secrets
     check_gpu_limit(project, spec["gpus_per_node"] * spec["nodes"])
     warnings = [w for w in [check_budget(project)] if w]
+    checked["submitted_with"] = getattr(user, "api_token_id", None)  # its limits count the job (jobs/tokenlimits.py)
     return Submitted(create(user, checked), warnings)
 
 
@@ -161,6 +162,7 @@ def create(user, checked: dict) -> Job:
     command = checked["command"]
     waits = dependencies.standing(checked["depends_on"]) if checked["depends_on"] else None
     with transaction.atomic():
+        tokenlimits.check(checked.get("submitted_with"), checked["gpus_per_node"] * checked["nodes"])
         job = Job.objects.create(
             depends_on=checked["depends_on"],
             state=JobState.BLOCKED if waits and waits.kind != "met" else JobState.QUEUED,

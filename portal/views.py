@@ -3,7 +3,7 @@ from django.contrib import messages
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from portal.models import ApiToken, Project
+from portal.models import LIMIT_FIELDS, ApiToken, Project
 
 
 class TokenForm(forms.Form):
@@ -12,6 +12,17 @@ class TokenForm(forms.Form):
         queryset=Project.objects.none(), required=False, empty_label="All my projects", to_field_name="slug"
     )
     read_only = forms.BooleanField(required=False, help_text="Can read jobs, logs and nodes, never change anything.")
+    # Limits on the jobs submitted with it (jobs/tokenlimits.py); blank: none.
+    max_running_jobs = forms.IntegerField(
+        required=False, min_value=0, help_text="Unfinished jobs (queued or running) at once."
+    )
+    max_gpus = forms.IntegerField(required=False, min_value=0, help_text="GPUs its unfinished jobs hold at once.")
+    max_gpu_hours_per_day = forms.DecimalField(
+        required=False, min_value=0, max_digits=10, decimal_places=2, help_text="GPU-hours a UTC day."
+    )
+    max_spend_per_day = forms.DecimalField(
+        required=False, min_value=0, max_digits=12, decimal_places=2, help_text="Spend a UTC day."
+    )
 
     def __init__(self, user, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -24,7 +35,8 @@ def tokens(request):
     secret = None
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
-        _, secret = ApiToken.issue(request.user, data["name"], data["project"], data["read_only"])
+        limits = {name: data[name] for name in LIMIT_FIELDS}
+        _, secret = ApiToken.issue(request.user, data["name"], data["project"], data["read_only"], **limits)
         form = TokenForm(request.user)
     mine = ApiToken.objects.filter(user=request.user).select_related("project").order_by("-created_at")
     return render(request, "portal/tokens.html", {"form": form, "tokens": mine, "secret": secret})

@@ -5,6 +5,7 @@ from jobs.api.costs import CostJobsView, CostSummaryView
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.notify import SubscriptionViewSet
+from jobs.api.tokens import CurrentTokenUsageView, TokenUsageView
 from jobs.api.views import JobViewSet, PriorityListView, QueueView
 
 router = SimpleRouter()
@@ -16,6 +17,8 @@ urlpatterns = [
     path("jobs/<int:pk>/logs/", JobLogsView.as_view(), name="api-job-logs"),
     path("jobs/<int:pk>/logs/download/", JobLogDownloadView.as_view(), name="api-job-logs-download"),
     path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="api-job-metrics"),
+    path("tokens/<int:pk>/usage/", TokenUsageView.as_view(), name="api-token-usage"),
+    path("tokens/current/usage/", CurrentTokenUsageView.as_view(), name="api-token-usage-current"),
     path("costs/summary/", CostSummaryView.as_view(), name="api-cost-summary"),
     path("costs/jobs/", CostJobsView.as_view(), name="api-cost-jobs"),
     *router.urls,

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
-from portal.models import ApiToken, AuditEvent, Membership, Project, Role, Volume
+from portal.models import LIMIT_FIELDS, ApiToken, AuditEvent, Membership, Project, Role, Volume
 from portal.volumes import clean_volume_path
 
 
@@ -64,8 +64,11 @@ class TokenSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ApiToken
-        fields = ["id", "name", "hint", "project", "read_only", "created_at", "last_used_at", "revoked_at"]
+        fields = [
+            "id", "name", "hint", "project", "read_only", *LIMIT_FIELDS, "created_at", "last_used_at", "revoked_at"
+        ]  # fmt: skip
         read_only_fields = ["id", "hint", "created_at", "last_used_at", "revoked_at"]
+        extra_kwargs = {name: {"min_value": 0} for name in ("max_gpu_hours_per_day", "max_spend_per_day")}
 
     def to_internal_value(self, data):
         # DRF reads "" as null for a relation: a blank slug is a mistake, not "all projects".
@@ -88,7 +91,20 @@ class TokenSerializer(serializers.ModelSerializer):
             raise serializers.ValidationError(
                 {"project": "this request's token is limited to one project; limit the new token to it"}
             )
+        self.check_no_wider_limits(attrs)
         return attrs
+
+    def check_no_wider_limits(self, attrs: dict) -> None:
+        """A token with limits must not mint one without them (or with higher ones)."""
+        token = self.context["request"].auth
+        if not isinstance(token, ApiToken):
+            return
+        for name, mine in token.limits.items():
+            asked = attrs.get(name)
+            if mine is not None and (asked is None or asked > mine):
+                raise serializers.ValidationError(
+                    {name: f"this request's token has {name}={mine}; give the new token {name} of at most {mine}"}
+                )
 
 
 class NewTokenSerializer(TokenSerializer):

@@ -19,7 +19,7 @@ from portal.api.serializers import (
     TokenSerializer,
     VolumeSerializer,
 )
-from portal.models import ApiToken, AuditEvent, Membership, Project, Role, Volume
+from portal.models import LIMIT_FIELDS, ApiToken, AuditEvent, Membership, Project, Role, Volume
 
 
 class ProjectViewSet(viewsets.ReadOnlyModelViewSet):
@@ -149,7 +149,10 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
         serializer = TokenSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        token, raw = ApiToken.issue(request.user, data["name"], data.get("project"), data.get("read_only", False))
+        limits = {name: data.get(name) for name in LIMIT_FIELDS}
+        token, raw = ApiToken.issue(
+            request.user, data["name"], data.get("project"), data.get("read_only", False), **limits
+        )
         body = NewTokenSerializer(token, context={"request": request}).data
         body["token"] = raw
         return Response(body, status=status.HTTP_201_CREATED)
