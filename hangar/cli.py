@@ -345,6 +345,41 @@ def cmd_compare(args) -> int:
     return EXIT_OK
 
 
+# --- sweeps (README: Agents) ---------------------------------------------------------
+
+
+def cmd_sweep(args) -> int:
+    """`hangar sweep -f sweep.yaml` creates (or, sent again, finds) a sweep; `status|best ID` read one."""
+    api = api_from(args)
+    if args.action is None:
+        if not args.file:
+            raise HangarError("give a sweep file: hangar sweep -f sweep.yaml (or: hangar sweep status ID)", EXIT_USAGE)
+        body = load_job_file(args.file)
+        if not body.get("project") and not (body.get("base") or {}).get("project"):
+            body["project"] = args.project or load_config().get("project")
+        sweep = api.post("/api/v1/sweeps/", body)
+        emit(args, sweep, f"sweep {sweep['id']} {sweep['name']}: {sweep['variants']} variants ({sweep['state']})")
+        return EXIT_OK
+    if args.sweep_id is None:
+        raise HangarError(f"hangar sweep {args.action} ID: give the sweep's id", EXIT_USAGE)
+    sweep = api.get(f"/api/v1/sweeps/{args.sweep_id}/")
+    if args.action == "best":
+        best = sweep["best"]
+        emit(args, best, "no run has a value of the objective yet" if best is None else describe_run(sweep, best))
+        return EXIT_OK if best is not None else EXIT_JOB_FAILED
+    rows = [{**run, "params": json.dumps(run["params"])} for run in sweep["runs"]]
+    human = f"sweep {sweep['id']} {sweep['name']}: {sweep['state']} {sweep['counts']}\n" + table(
+        rows, ["index", "job", "state", "objective", "cost", "params"]
+    )
+    emit(args, sweep, human)
+    return EXIT_OK
+
+
+def describe_run(sweep: dict, run: dict) -> str:
+    objective = sweep["objective"]
+    return f"variant {run['index']} (job {run['job']}): {objective['metric']} = {run['objective']} {run['params']}"
+
+
 # --- logs -------------------------------------------------------------------------
 
 
@@ -607,6 +642,17 @@ def parser() -> argparse.ArgumentParser:
     p = command("compare", cmd_compare, "two jobs side by side: spec differences, metrics, objective")
     p.add_argument("a", type=int)
     p.add_argument("b", type=int)
+
+    p = command(
+        "sweep",
+        cmd_sweep,
+        "sweeps: `sweep -f sweep.yaml` creates one (the same file again creates nothing); "
+        "`sweep status ID`, `sweep best ID` read one (best exits 1 while no run has a value)",
+    )
+    p.add_argument("action", nargs="?", choices=["status", "best"])
+    p.add_argument("sweep_id", nargs="?", type=int)
+    p.add_argument("-f", "--file", help="a YAML or JSON sweep file (- for stdin)")
+    p.add_argument("-p", "--project", help="when the file names none")
 
     p = command("cancel", cmd_cancel, "cancel a job")
     p.add_argument("job", type=int)

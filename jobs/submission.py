@@ -190,6 +190,8 @@ def create(user, checked: dict) -> Job:
             objective=dict(checked.get("objective") or {}),
             metrics_from_log=checked.get("metrics_from_log", ""),
             submitted_with_id=checked.get("submitted_with"),
+            sweep=checked.get("sweep"),  # a sweep's variant (jobs/sweeps.py)
+            sweep_index=checked.get("sweep_index"),
         )
         JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
         if job.state == JobState.BLOCKED:

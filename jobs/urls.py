@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs import views, views_experiments
+from jobs import views, views_experiments, views_sweeps
 
 urlpatterns = [
     path("", views.job_list, name="job-list"),
@@ -14,4 +14,6 @@ urlpatterns = [
     path("<int:pk>/cancel/", views.cancel, name="job-cancel"),
     path("<int:pk>/run-again/", views_experiments.run_again, name="job-run-again"),
     path("compare/", views_experiments.compare, name="job-compare"),
+    path("sweeps/", views_sweeps.sweep_list, name="sweep-list"),
+    path("sweeps/<int:pk>/", views_sweeps.sweep_detail, name="sweep-detail"),
 ]

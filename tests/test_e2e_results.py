@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -100,3 +101,46 @@ def test_a_wait_that_times_out_exits_124_with_the_document(hangar, tmp_path):
     doc = json.loads(out)
     assert doc["id"] == sleeper and not doc["final"] and "still not ended" in err
     assert hangar("cancel", str(sleeper))[0] == 0
+
+
+SWEEP = """
+name: lr
+max_parallel: 2
+objective: {{metric: val_loss, mode: min}}
+base:
+  command: [{py}, -c, "import os; print('val_loss:', abs(float(os.environ['LR']) - 0.01), flush=True)"]
+  metrics_from_log: '(?P<name>val_loss): (?P<value>\\S+)'
+  max_runtime_seconds: 60
+grid:
+  env.LR: ["0.1", "0.01", "0.5"]
+"""
+
+
+def test_a_sweep_runs_its_variants_and_names_the_best_from_the_json(hangar, tmp_path, stack):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SWEEP.format(py=PY))
+    code, out, err = hangar("sweep", "-f", str(path), "--json", "-p", "default")
+    assert code == 0, err
+    sweep = json.loads(out)
+    assert sweep["variants"] == 3 and sweep["counts"] == {"queued": 2, "pending": 1}
+
+    code, out, _ = hangar("sweep", "-f", str(path), "--json", "-p", "default")  # sent again: the same sweep
+    assert code == 0 and json.loads(out)["id"] == sweep["id"]
+    runs = []
+    for _ in range(120):
+        status = json.loads(hangar("sweep", "status", str(sweep["id"]), "--json")[1])
+        runs = status["runs"]
+        if status["state"] == "done":
+            break
+        time.sleep(0.5)
+    assert status["state"] == "done" and sorted(r["state"] for r in runs) == ["succeeded"] * 3, status
+    assert len({r["job"] for r in runs}) == 3  # each variant once, though the file was sent twice
+
+    code, out, _ = hangar("sweep", "best", str(sweep["id"]), "--json")
+    best = json.loads(out)
+    assert code == 0 and best["params"] == {"env.LR": "0.01"} and best["objective"] == 0.0
+    assert [r["params"]["env.LR"] for r in runs] == ["0.01", "0.1", "0.5"]  # ranked best first
+
+    path.write_text(SWEEP.format(py=PY).replace('["0.1", "0.01", "0.5"]', "[]"))
+    code, _, err = hangar("sweep", "-f", str(path), "-p", "default")
+    assert code == 5 and "grid.env.LR" in err and "non-empty list" in err

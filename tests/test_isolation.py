@@ -7,7 +7,7 @@ import re
 import pytest
 from django.test import Client
 
-from jobs.models import Job, JobState
+from jobs.models import Job, JobState, Sweep
 from portal.models import ApiToken, Membership, Role, Volume
 from tests.factories import api_client, make_job, make_node, token_client
 from tests.test_access import close_code
@@ -35,12 +35,17 @@ def lab(roles):
     job = make_job(roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER})
     token, _ = ApiToken.issue(roles["member"], MARKER)
     volume = Volume.objects.create(project=roles["lab"], name="data", path=f"/{MARKER}")
-    return {"node": node, "job": job, "token": token, "volume": volume, **roles}
+    sweep = Sweep.objects.create(
+        project=roles["lab"], submitted_by=roles["member"], name=MARKER, key=MARKER, base={"command": [MARKER]},
+        params=[{"env.MARK": MARKER}], max_parallel=1, objective={"metric": MARKER, "mode": "min"},
+    )  # fmt: skip
+    return {"node": node, "job": job, "token": token, "volume": volume, "sweep": sweep, **roles}
 
 
 def fill(path: str, lab: dict) -> str:
+    ids = {"/api/v1/tokens/": lab["token"].pk, "/api/v1/sweeps/": lab["sweep"].pk}
     values = {
-        "id": lab["token"].pk if path.startswith("/api/v1/tokens/") else lab["job"].pk,
+        "id": next((pk for prefix, pk in ids.items() if path.startswith(prefix)), lab["job"].pk),
         "slug": "lab",
         "project_slug": "lab",
         "username": "lab-member",
@@ -88,13 +93,14 @@ def assert_nothing_changed(lab) -> None:
     assert Job.objects.get(pk=lab["job"].pk).state == JobState.QUEUED
     assert ApiToken.objects.get(pk=lab["token"].pk).revoked_at is None
     assert Volume.objects.filter(pk=lab["volume"].pk).exists()
+    assert Sweep.objects.count() == 1 and not Job.objects.filter(sweep__isnull=False).exists()
     assert Membership.objects.filter(project=lab["lab"]).count() == len(Role.values)
     assert not Membership.objects.filter(project=lab["lab"], user=lab["outsider"]).exists()
 
 
 def test_the_sweep_covers_every_area_of_the_api(db):
     paths = {path for path, _ in schema_operations()}
-    for area in ("jobs", "projects", "tokens", "audit", "nodes"):
+    for area in ("jobs", "projects", "tokens", "audit", "nodes", "sweeps"):
         assert any(p.startswith(f"/api/v1/{area}/") for p in paths), area
 
 
@@ -117,7 +123,8 @@ def test_the_job_pages_answer_404_to_another_project(lab):
     for url in (f"/jobs/{job}/", f"/jobs/{job}/status/"):
         assert client.get(url).status_code == 404
     assert client.post(f"/jobs/{job}/cancel/").status_code == 404
-    for url in ("/", "/jobs/", "/tokens/"):
+    assert client.get(f"/jobs/sweeps/{lab['sweep'].pk}/").status_code == 404
+    for url in ("/", "/jobs/", "/tokens/", "/jobs/sweeps/"):
         assert MARKER not in client.get(url).content.decode()
 
 

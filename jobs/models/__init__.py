@@ -16,6 +16,7 @@ from jobs.models.states import (
     FailureClass,
     JobState,
 )
+from jobs.models.sweep import Sweep, SweepQuerySet
 from jobs.priority import Priority, PriorityClass, priority_class, priority_classes
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "Severity",
     "Stream",
     "Subscription",
+    "Sweep",
+    "SweepQuerySet",
     "attempt_cost_of",
     "lease_from",
     "next_month",

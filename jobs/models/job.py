@@ -94,6 +94,8 @@ class Job(models.Model):
         "portal.ApiToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs",
         help_text="The API token it was submitted with: its limits count the job.",
     )  # fmt: skip
+    sweep = models.ForeignKey("jobs.Sweep", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    sweep_index = models.PositiveIntegerField(null=True, blank=True, help_text="Its variant's index in the sweep.")
 
     objects = JobQuerySet.as_manager()
 
