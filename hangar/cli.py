@@ -362,6 +362,10 @@ def cmd_sweep(args) -> int:
         return EXIT_OK
     if args.sweep_id is None:
         raise HangarError(f"hangar sweep {args.action} ID: give the sweep's id", EXIT_USAGE)
+    if args.action == "cancel":
+        sweep = api.post(f"/api/v1/sweeps/{args.sweep_id}/cancel/", {})
+        emit(args, sweep, f"sweep {sweep['id']}: {sweep['cancelled_jobs']} jobs cancelled, no more variants")
+        return EXIT_OK
     sweep = api.get(f"/api/v1/sweeps/{args.sweep_id}/")
     if args.action == "best":
         best = sweep["best"]
@@ -647,9 +651,9 @@ def parser() -> argparse.ArgumentParser:
         "sweep",
         cmd_sweep,
         "sweeps: `sweep -f sweep.yaml` creates one (the same file again creates nothing); "
-        "`sweep status ID`, `sweep best ID` read one (best exits 1 while no run has a value)",
+        "`sweep status ID`, `sweep best ID` read one (best exits 1 while no run has a value); `sweep cancel ID`",
     )
-    p.add_argument("action", nargs="?", choices=["status", "best"])
+    p.add_argument("action", nargs="?", choices=["status", "best", "cancel"])
     p.add_argument("sweep_id", nargs="?", type=int)
     p.add_argument("-f", "--file", help="a YAML or JSON sweep file (- for stdin)")
     p.add_argument("-p", "--project", help="when the file names none")

@@ -120,8 +120,10 @@ def check_body(user, body) -> tuple[dict, list[dict], dict]:
     if not objective.is_valid():
         raise ValidationError({"objective": objective.errors})
     max_parallel = body.get("max_parallel", 0)
-    if not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or max_parallel < 0:
-        raise ValidationError({"max_parallel": "must be a whole number of jobs at once, e.g. 4"})
+    if not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or not 0 <= max_parallel <= MAX_VARIANTS:
+        raise ValidationError(
+            {"max_parallel": f"must be a whole number of jobs at once, e.g. 4 (at most {MAX_VARIANTS})"}
+        )
     base = {**base, "project": body.get("project") or base.get("project"), "objective": objective.validated_data}
     project_for(user, base["project"] or "")  # the project first: its error says which projects there are
     params = expand(body)
@@ -222,11 +224,16 @@ def advance(sweep_id: int) -> int:
             return 0
         user = sweep.submitted_by
         user.api_token_id = sweep.submitted_with_id  # its token's limits go on counting its jobs
-        try:
-            return submit_next(sweep, user)
-        except ValidationError as exc:  # the base no longer passes (a project left, say): say so
-            Sweep.objects.filter(pk=sweep.pk).update(waiting_reason=flat(exc.detail))
-            return 0
+        return submit_next(sweep, user)
+
+
+def cancel(sweep: Sweep, by, reason: str) -> int:
+    """Submit no more of its variants and cancel its unfinished jobs; the number of jobs cancelled."""
+    with transaction.atomic():
+        locked = Sweep.objects.select_for_update().get(pk=sweep.pk)
+        refused = {**locked.refused, **{str(i): f"cancelled: {reason}" for i in locked.pending()}}
+        Sweep.objects.filter(pk=sweep.pk).update(refused=refused, waiting_reason="")
+    return sum(1 for job in sweep.unfinished() if job.cancel(by, reason))
 
 
 def _advance_after_commit(job_id: int) -> None:

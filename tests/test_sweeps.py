@@ -152,3 +152,14 @@ def test_the_charts_show_the_objective_per_run_and_parameters(client):
     assert figures["per_run"]["data"][0]["y"] == [1.0, 0.5, 1 / 3, 0.25]
     dims = {d["label"]: d for d in figures["parallel"]["data"][0]["dimensions"]}
     assert list(dims) == ["env.LR", "gpus_per_node", "val_loss"] and dims["gpus_per_node"]["values"] == [1, 2, 1, 2]
+
+
+def test_cancelling_a_sweep_stops_its_variants(client, teammate, django_capture_on_commit_callbacks):
+    sweep_id = client.post(URL, sweep_body(), format="json").json()["id"]
+    refused = api_client(teammate).post(f"{URL}{sweep_id}/cancel/", {}, format="json")
+    assert refused.status_code == 403 and "submitter or a manager" in refused.json()["message"]
+    with django_capture_on_commit_callbacks(execute=True):
+        body = client.post(f"{URL}{sweep_id}/cancel/", {"reason": "enough"}, format="json").json()
+    assert body["cancelled_jobs"] == 2 and body["state"] == "done"
+    assert body["counts"] == {"cancelled": 2, "refused": 2} and Job.objects.count() == 2
+    assert all(run.get("reason") == "cancelled: enough" for run in body["runs"] if run["state"] == "refused")

@@ -5,10 +5,13 @@ its runs ranked by objective (jobs/sweeps.py). The same file again returns the f
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
 from jobs import sweeps
 from jobs.models import Sweep
+from portal.models import Project, Role
 
 
 class SweepSummarySerializer(serializers.ModelSerializer):
@@ -51,3 +54,17 @@ class SweepViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
         code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
         headers = {} if created else {"Idempotent-Replayed": "true"}
         return Response(sweeps.document(sweep), status=code, headers=headers)
+
+    @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        """Submit no more variants and cancel the unfinished ones: {"reason": "..."} optional."""
+        sweep = self.get_object()
+        managers = Project.objects.with_role(request.user, Role.MANAGER).filter(pk=sweep.project_id)
+        member = Project.objects.with_role(request.user, Role.MEMBER).filter(pk=sweep.project_id)
+        if not managers.exists() and not (sweep.submitted_by_id == request.user.pk and member.exists()):
+            raise PermissionDenied("only the sweep's submitter or a manager of its project can cancel it")
+        reason = request.data.get("reason") if isinstance(request.data, dict) else None
+        cancelled = sweeps.cancel(sweep, request.user, str(reason or f"sweep cancelled by {request.user}"))
+        sweep.refresh_from_db()
+        return Response({**sweeps.document(sweep), "cancelled_jobs": cancelled})

@@ -136,10 +136,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     )
     @action(detail=False, methods=["get"], pagination_class=None)
     def compare(self, request):
-        a, b = (int_param(request, name, 0) for name in ("a", "b"))
-        if not a or not b:
-            missing = "a" if not a else "b"
-            raise serializers.ValidationError({missing: "is required: give two job ids, e.g. ?a=12&b=15"})
+        a, b = (job_id_param(request, name) for name in ("a", "b"))
         jobs = Job.objects.visible_to(request.user).select_related("project", "environment")
         found = {job.pk: job for job in jobs.filter(pk__in=[a, b])}
         if a not in found or b not in found:
@@ -283,6 +280,17 @@ class PriorityListView(APIView):
 def can_cancel(user, job: Job) -> bool:
     """The same people who may reorder it: its submitter while a member, and the project's managers."""
     return movable_jobs(user).filter(pk=job.pk).exists()
+
+
+def job_id_param(request, name: str) -> int:
+    """A job id in the query; one that is no job's is answered 404 by the caller."""
+    raw = request.query_params.get(name, "").strip()
+    if not raw:
+        raise serializers.ValidationError({name: "is required: give two job ids, e.g. ?a=12&b=15"})
+    try:
+        return int(raw[:20])
+    except ValueError:
+        raise serializers.ValidationError({name: f"{raw[:20]!r} is not a job id; give a number, e.g. 12"})
 
 
 def int_param(request, name: str, default: int) -> int:

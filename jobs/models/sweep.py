@@ -49,9 +49,3 @@ class Sweep(models.Model):
         """Indexes with no job yet and not refused, in order."""
         made = set(Job.objects.filter(sweep=self).values_list("sweep_index", flat=True))
         return [i for i in range(self.size) if i not in made and str(i) not in self.refused]
-
-    @property
-    def state(self) -> str:
-        if self.pending() or self.unfinished().exists():
-            return "running"
-        return "done"
