@@ -262,7 +262,9 @@ def _after_a_cancel(sender, job, **kwargs) -> None:
 
 def runs(sweep: Sweep) -> list[dict]:
     """Each variant: its params, job, state, objective value (its last) and cost; ranked best first."""
-    jobs = {j.sweep_index: j for j in Job.objects.filter(sweep=sweep).select_related("project")}
+    jobs = {j.sweep_index: j for j in Job.objects.filter(sweep=sweep).prefetch_related("attempts__node")}
+    latest = tracking.latest_metrics(list(jobs.values()))  # one MLflow search, not a history per run
+    metric = sweep.objective["metric"]
     out = []
     for index, params in enumerate(sweep.params):
         job = jobs.get(index)
@@ -270,11 +272,9 @@ def runs(sweep: Sweep) -> list[dict]:
         if str(index) in sweep.refused:
             row.update(state="refused", reason=sweep.refused[str(index)])
         if job is not None:
-            summary = results.summarise(tracking.metrics(job)["series"], sweep.objective)
-            found = results.objective_value(sweep.objective, summary)
-            attempts = list(job.attempts.select_related("node"))
-            row.update(job=job.pk, state=job.state, exit_code=job.exit_code, objective=found["value"],
-                       cost=results.cost_of(attempts)["total"])  # fmt: skip
+            row.update(job=job.pk, state=job.state, exit_code=job.exit_code,
+                       objective=latest.get(job.pk, {}).get(metric),
+                       cost=results.cost_of(list(job.attempts.all()))["total"])  # fmt: skip
         out.append(row)
     return rank(out, sweep.objective["mode"])
 
