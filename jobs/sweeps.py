@@ -89,6 +89,10 @@ def file_key(body: dict) -> str:
     """The sweep's idempotency key: the one given, else a hash of its canonical content."""
     if given := body.get("idempotency_key"):
         return str(given)[:200]
+    return content_hash(body)
+
+
+def content_hash(body: dict) -> str:
     canonical = json.dumps({k: v for k, v in body.items() if k != "idempotency_key"}, sort_keys=True, default=str)
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -101,6 +105,11 @@ def rank(runs: list[dict], mode: str) -> list[dict]:
 
 
 # --- creating ---------------------------------------------------------------------------
+
+
+class IdempotencyConflict(exceptions.APIException):
+    status_code = 409
+    default_code = "idempotency_conflict"
 
 
 def check_body(user, body) -> tuple[dict, list[dict], dict]:
@@ -146,6 +155,11 @@ def create(user, body) -> tuple[Sweep, bool]:
     """The sweep `body` describes, and whether it was created now (False: the same file again)."""
     key = file_key(body) if isinstance(body, dict) else ""
     if key and (found := Sweep.objects.filter(submitted_by=user, key=key).first()) is not None:
+        if found.content != content_hash(body):
+            raise IdempotencyConflict(
+                f"idempotency_key {key!r} was used for sweep {found.pk} with another sweep file; "
+                "use a new key for a different sweep"
+            )
         advance(found.pk)
         return found, False
     base, params, checked = check_body(user, body)
@@ -158,6 +172,7 @@ def create(user, body) -> tuple[Sweep, bool]:
                 submitted_with_id=getattr(user, "api_token_id", None),
                 name=name,
                 key=key,
+                content=content_hash(body),
                 base=base,
                 params=params,
                 max_parallel=body.get("max_parallel") or len(params),

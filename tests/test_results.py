@@ -163,3 +163,11 @@ def test_a_queued_job_counts_its_wait_so_far(client, owner, project, settings):
     assert body["state"] == "queued" and body["log_tail"] == [] and body["first_error"] is None
     assert body["times"]["queued_seconds"] >= 5 and body["attempts"] == 0
     assert not Attempt.objects.exists()
+
+
+def test_a_resubmit_keeps_the_objective_and_the_pattern(client, owner, project):
+    body = {"project": "vision", "command": ["true"], "objective": {"metric": "acc", "mode": "max"}}
+    job_id = client.post("/api/v1/jobs/", {**body, "metrics_from_log": PATTERN}, format="json").json()["id"]
+    again = client.post(f"/api/v1/jobs/{job_id}/resubmit/", {}, format="json")
+    assert again.status_code == 201, again.content
+    assert again.json()["objective"] == {"metric": "acc", "mode": "max"} and again.json()["metrics_from_log"] == PATTERN

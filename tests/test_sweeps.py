@@ -163,3 +163,11 @@ def test_cancelling_a_sweep_stops_its_variants(client, teammate, django_capture_
     assert body["cancelled_jobs"] == 2 and body["state"] == "done"
     assert body["counts"] == {"cancelled": 2, "refused": 2} and Job.objects.count() == 2
     assert all(run.get("reason") == "cancelled: enough" for run in body["runs"] if run["state"] == "refused")
+
+
+def test_the_same_key_with_another_file_is_a_conflict(client):
+    first = client.post(URL, sweep_body(idempotency_key="round-1"), format="json")
+    assert first.status_code == 201
+    other = client.post(URL, sweep_body(idempotency_key="round-1", max_parallel=1), format="json")
+    assert other.status_code == 409 and "use a new key" in other.json()["message"]
+    assert Sweep.objects.count() == 1 and Job.objects.count() == 2

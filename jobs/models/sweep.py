@@ -21,6 +21,7 @@ class Sweep(models.Model):
     submitted_with = models.ForeignKey(ApiToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     name = models.CharField(max_length=200)
     key = models.CharField(max_length=200, help_text="Its idempotency key: the same sweep file again returns it.")
+    content = models.CharField(max_length=80, blank=True, help_text="A hash of the file it was made from.")
     base = models.JSONField(help_text="The base job spec every variant starts from.")
     params = models.JSONField(help_text="Each variant's overrides of the base, in order (index = position).")
     max_parallel = models.PositiveIntegerField()
