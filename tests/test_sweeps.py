@@ -5,10 +5,11 @@ import pytest
 from django.test import Client
 from rest_framework.test import APIClient
 
-from jobs import sweeps
+from jobs import sweeps, tracking
 from jobs.models import AttemptState, Job, Sweep
 from portal.models import ApiToken
 from tests.factories import api_client, make_attempt
+from tests.test_tracking import mlflow_store  # noqa: F401 (a fixture)
 
 URL = "/api/v1/sweeps/"
 OBJECTIVE = {"metric": "val_loss", "mode": "min"}
@@ -171,3 +172,27 @@ def test_the_same_key_with_another_file_is_a_conflict(client):
     other = client.post(URL, sweep_body(idempotency_key="round-1", max_parallel=1), format="json")
     assert other.status_code == 409 and "use a new key" in other.json()["message"]
     assert Sweep.objects.count() == 1 and Job.objects.count() == 2
+
+
+@pytest.mark.usefixtures("mlflow_store")
+def test_runs_are_ranked_by_their_mlflow_objective_on_the_api_and_the_page(client, owner, settings):
+    settings.HANGAR_MLFLOW = True  # (the client fixture turned it off)
+    sweep_id = client.post(URL, sweep_body(max_parallel=4), format="json").json()["id"]
+    experiment = tracking.experiment_id("vision")
+    for job in Job.objects.filter(sweep_id=sweep_id):
+        run = tracking.client().create_run(experiment)
+        for step, loss in enumerate([1.0, 0.3 + job.sweep_index / 10]):  # the last value ranks
+            tracking.client().log_metric(run.info.run_id, "val_loss", loss, step=step)
+        Job.objects.filter(pk=job.pk).update(mlflow_run_id=run.info.run_id, mlflow_experiment_id=experiment)
+    body = client.get(f"{URL}{sweep_id}/").json()
+    assert [r["index"] for r in body["runs"]] == [0, 1, 2, 3]
+    assert body["best"]["objective"] == pytest.approx(0.3) and body["best"]["params"] == {
+        "env.LR": "0.1",
+        "gpus_per_node": 1,
+    }
+    page = Client()
+    page.force_login(owner)
+    html = page.get(f"/jobs/sweeps/{sweep_id}/?sort=-objective").content.decode()
+    assert 'data-figure="fig-parallel"' in html and 'data-figure="fig-per-run"' in html
+    table = html[html.index("<h2>Runs</h2>") :]
+    assert table.index("0.6") < table.index("0.3")  # worst first
