@@ -357,7 +357,7 @@ def cmd_sweep(args) -> int:
         body = load_job_file(args.file)
         if not body.get("project") and not (body.get("base") or {}).get("project"):
             body["project"] = args.project or load_config().get("project")
-        sweep = api.post("/api/v1/sweeps/", body)
+        sweep = api.create_sweep(body)
         emit(args, sweep, f"sweep {sweep['id']} {sweep['name']}: {sweep['variants']} variants ({sweep['state']})")
         return EXIT_OK
     if args.sweep_id is None:
@@ -366,7 +366,7 @@ def cmd_sweep(args) -> int:
         sweep = api.post(f"/api/v1/sweeps/{args.sweep_id}/cancel/", {})
         emit(args, sweep, f"sweep {sweep['id']}: {sweep['cancelled_jobs']} jobs cancelled, no more variants")
         return EXIT_OK
-    sweep = api.get(f"/api/v1/sweeps/{args.sweep_id}/")
+    sweep = api.sweep(args.sweep_id)
     if args.action == "best":
         best = sweep["best"]
         emit(args, best, "no run has a value of the objective yet" if best is None else describe_run(sweep, best))

@@ -146,6 +146,14 @@ class Client:
         """The job's result document: outcome, diagnosis, metrics, objective, log tail, cost, times."""
         return self.get(f"/api/v1/jobs/{job_id}/result/")
 
+    def create_sweep(self, body: dict) -> dict:
+        """Create a sweep from a sweep file's content; the same content again returns the same sweep."""
+        return self.post("/api/v1/sweeps/", body)
+
+    def sweep(self, sweep_id: int) -> dict:
+        """A sweep with its runs ranked by objective (best first) and its best run."""
+        return self.get(f"/api/v1/sweeps/{sweep_id}/")
+
     def priorities(self) -> list[dict]:
         """The server's priority classes, highest first."""
         return self.get("/api/v1/priorities/")

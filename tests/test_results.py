@@ -34,6 +34,15 @@ def test_a_step_group_gives_the_step():
     assert [(p.step, p.value) for p in found.take()] == [(40, 0.25)]
 
 
+def test_names_and_points_are_bounded(monkeypatch):
+    monkeypatch.setattr("jobs.logmetrics.MAX_NAMES", 2)
+    monkeypatch.setattr("jobs.logmetrics.MAX_POINTS", 3)
+    found = LogMetrics(r"(?P<name>\w+)=(?P<value>\S+)")
+    for text in ["a=1", "b=2", "c=3", "a=4", "b=5", "a=6"]:
+        found.scan(text)
+    assert [(p.name, p.value) for p in found.take()] == [("a", 1.0), ("b", 2.0), ("a", 4.0)]
+
+
 def test_a_pattern_without_both_named_groups_is_refused_naming_the_field():
     with pytest.raises(PatternError) as refused:
         compile_pattern(r"val_loss: (?P<value>\d+)")
