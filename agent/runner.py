@@ -28,7 +28,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import environments, running, sandbox, watch
+from agent import environments, network, running, sandbox, watch
 from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
@@ -207,8 +207,14 @@ class Runner:
             reason = "preflight failed: " + "; ".join(failures)
             self.system(reason, error=True)
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
+        if behind := self.checkpoint_left_behind():
+            self.system(behind)
         try:
             self.proc = self.start_process()
+        except secret_env.SecretUnreadable as exc:  # this node's keys, not the job: infra
+            reason = f"could not start the job: {exc}"
+            self.system(reason, error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         except OSError as exc:
             reason = f"could not start {self.job.command[0]!r}: {exc.strerror or exc}"
             self.system(reason, error=True)
@@ -218,6 +224,28 @@ class Runner:
         if not self.attempt.mark_running(self.proc.pid):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
         return self.watch()
+
+    def checkpoint_left_behind(self) -> str:
+        """When checkpoints are per host and this rank's previous attempt ran on another node:
+        its checkpoint directory stayed there, and this attempt starts without it."""
+        if settings.HANGAR_CHECKPOINT_ROOT or self.attempt.number <= 1:
+            return ""
+        before = (
+            Attempt.objects.filter(job_id=self.job.pk, number__lt=self.attempt.number, running_at__isnull=False)
+            .order_by("-number")
+            .first()
+        )
+        if before is None or self.rank >= len(before.ranks):
+            return ""
+        node_id = before.ranks[self.rank]["node_id"]
+        if node_id == self.node.pk:
+            return ""
+        where = Node.objects.filter(pk=node_id).values_list("name", flat=True).first() or f"node {node_id}"
+        return (
+            f"attempt {before.number} ran rank {self.rank} on {where}; its checkpoint directory stayed there "
+            f"(HANGAR_CHECKPOINT_ROOT is not set to storage the nodes share), so this attempt on {self.node.name} "
+            "starts without it"
+        )
 
     def rendezvous(self) -> list[str]:
         """Multi-node preflight: this rank and rank 0 reach each other on the job's MASTER_PORT."""
@@ -272,6 +300,8 @@ class Runner:
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
         env.update(tracking.job_env(job, attempt))  # MLFLOW_*; the job's own env may override them
+        if self.world_size > 1:  # the interface this node's ranks use; the job's own env may override it
+            env.update(network.rank_network_env(self.node.network_interface))
         env.update({str(k): str(v) for k, v in job.env.items()})
         env.update(secret_env.process_env(job.secret_env))  # refuses a secret it cannot decrypt
         env.update({volume_env_name(v["name"]): v["path"] for v in job.volumes})
@@ -289,7 +319,7 @@ class Runner:
     def master_addr(self) -> str:
         if self.world_size == 1:
             return "127.0.0.1"
-        return self.master.hostname or self.master.name
+        return self.master.address or self.master.hostname or self.master.name
 
     def workdir(self) -> Path:
         return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)

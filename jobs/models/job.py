@@ -1,11 +1,11 @@
 """Jobs and their history.
-
 The database row is the record of a job's state. Every state change is a
 conditional update on the current state, so a transition applied twice (a
 retried message, two schedulers, a late agent) takes effect once.
 """
 
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -120,7 +120,10 @@ class Job(models.Model):
         return bool(self.preemptible) or self.priority_class.preemptible
 
     def checkpoint_dir(self):
-        """Kept across attempts, so a preempted or retried job can resume."""
+        """Kept across attempts, so a preempted or retried job can resume (on another host only
+        where HANGAR_CHECKPOINT_ROOT is storage they share)."""
+        if settings.HANGAR_CHECKPOINT_ROOT:
+            return Path(settings.HANGAR_CHECKPOINT_ROOT) / str(self.pk)
         return settings.HANGAR_JOB_WORKDIR / str(self.pk) / "checkpoints"
 
     def latest_attempt(self) -> "Attempt | None":
