@@ -80,14 +80,14 @@ def own_host_problem(interface: str, master_addr: str) -> Failure | None:
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
     except OSError as exc:
-        addresses, error = set(), str(exc)
+        addresses, error = set(), f"does not resolve ({exc})"
     else:
-        error = "only to loopback " + ", ".join(sorted(addresses))
+        error = "resolves only to loopback " + ", ".join(sorted(addresses))
     if addresses and not all(is_loopback(a) for a in addresses):
         return None
     return Failure(
         OWN_HOST,
-        f"this host's name {name} resolves {error}: gloo and NCCL would fall back to loopback; "
+        f"this host's name {name} {error}: gloo and NCCL would fall back to loopback; "
         "advertise this node's address (--advertise-address) or name its interface (HANGAR_NODE_NETWORK_INTERFACE)",
     )
 

@@ -135,11 +135,15 @@ def test_rank_zeros_name_that_does_not_resolve_is_told_as_such():
     assert preflight.unresolved("127.0.0.1", 29500) is None
 
 
-def test_the_own_host_check_sees_what_gloo_and_nccl_would():
+def test_the_own_host_check_sees_what_gloo_and_nccl_would(monkeypatch):
     assert preflight.own_host_problem("", "127.0.0.1") is None  # every rank on this host
     missing = preflight.own_host_problem("nosuch0", "10.0.0.1")
     assert missing.kind == rendezvous.OWN_HOST and "nosuch0" in missing.evidence
     assert preflight.own_host_problem("lo", "10.0.0.1") is None  # an interface with an address
+    monkeypatch.setattr(preflight.socket, "gethostname", lambda: "gpu-b.invalid")  # no /etc/hosts entry, no DNS
+    unnamed = preflight.own_host_problem("", "10.0.0.1")
+    assert unnamed.kind == rendezvous.OWN_HOST
+    assert "gpu-b.invalid does not resolve" in unnamed.evidence and "fall back to loopback" in unnamed.evidence
 
 
 def test_rank_zero_stops_waiting_when_the_attempt_ends(db, node):

@@ -175,10 +175,12 @@ class Fleet:
 
     def start(self, host: str, **extra: str) -> None:
         self.stop(host)
+        registered = f"node {host}: advertises"  # printed once the agent has registered
+        before = self.log(host).count(registered)
         proc = self.run_agent(host, self.agent_env(host, **extra))
         self.agents[host] = proc
         deadline = time.monotonic() + 90
-        while not self.stack._node_ready(host):
+        while self.log(host).count(registered) == before or not self.stack._node_ready(host):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"agent {host} did not register (exit {proc.poll()}):\n{self.log(host)[-5000:]}")
             time.sleep(0.2)

@@ -68,6 +68,7 @@ class Command(BaseCommand):
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
         on = f" (ranks' traffic on {interface})" if interface else ""
         self.stdout.write(f"node {registered.name}: advertises {address}{on}: {how}")
+        self.stdout.flush()  # seen at once where stdout is a file (a service's log)
         if agent.isolation[1]:
             self.stderr.write(f"WARNING: isolation: {agent.isolation[0]}: {agent.isolation[1]}")
         names = [n.strip() for n in environments.split(",") if n.strip()]
