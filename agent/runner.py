@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import resource
+import select
 import signal
 import subprocess
 import threading
@@ -131,6 +132,7 @@ class Runner:
         self.keeping_lease: threading.Event | None = None
         self.stop_requested: Outcome | None = None
         self.current = True
+        self.tracking: InBackground | None = None
 
     @property
     def world_size(self) -> int:
@@ -198,6 +200,8 @@ class Runner:
                 AttemptState.LOST, FailureClass.INFRA, "the attempt ended while it waited for its GPUs"
             )
             return outcome, None
+        # The job's MLflow run (tens of ms of store round trips) is made while the checks run.
+        self.tracking = InBackground(lambda: tracking.job_env(self.job, self.attempt), "mlflow-run")
         failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
         if not failures and self.world_size > 1:
             failures = self.rendezvous()
@@ -299,7 +303,8 @@ class Runner:
         job, attempt = self.job, self.attempt
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
-        env.update(tracking.job_env(job, attempt))  # MLFLOW_*; the job's own env may override them
+        # MLFLOW_*; the job's own env may override them. Begun during the preflight when there was one.
+        env.update(self.tracking.result() if self.tracking is not None else tracking.job_env(job, attempt))
         if self.world_size > 1:  # the interface this node's ranks use; the job's own env may override it
             env.update(network.rank_network_env(self.node.network_interface))
         env.update({str(k): str(v) for k, v in job.env.items()})
@@ -375,7 +380,7 @@ class Runner:
                     self.current = False
             if self.stop_requested is not None or not self.current:
                 return self.terminate()
-            time.sleep(WATCH_SECONDS)
+            wait_for_exit(self.proc, WATCH_SECONDS)
         code = self.proc.returncode
         return self.exited(code if self.launch is None else self.launch.returncode(code))
 
@@ -564,6 +569,50 @@ def rank_env(attempt: Attempt, rank: int, master_addr: str) -> dict[str, str]:
         "PET_MASTER_PORT": port,
         "PET_NPROC_PER_NODE": nproc,
     }
+
+
+class InBackground:
+    """A call run on a thread of its own (with its own database connection, closed after),
+    while the caller goes on; `result()` waits for it."""
+
+    def __init__(self, call: Callable[[], dict], name: str):
+        self.done = threading.Event()
+        self.value: dict = {}
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(call,), name=name, daemon=True).start()
+
+    def _run(self, call: Callable[[], dict]) -> None:
+        try:
+            self.value = call()
+        except BaseException as exc:  # raised to the caller by result()
+            self.error = exc
+        finally:
+            connection.close()
+            self.done.set()
+
+    def result(self) -> dict:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def wait_for_exit(proc: subprocess.Popen, timeout: float) -> None:
+    """Up to `timeout` seconds, returning as soon as the process exits: the next job on its GPUs
+    waits for this (a sleep between polls would add up to its length to every hand-off). A
+    pidfd (Linux 5.3+) becomes readable at the exit; elsewhere Popen.wait polls."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfds here, or the process is gone already
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
 
 
 def signal_group(pgid: int, sig: int) -> None:
