@@ -392,3 +392,12 @@ def test_hangar_code_unpacks_what_was_packed(tmp_path):
     (root / "u.py").symlink_to("lib/u.py")
     assert unpack(pack(root).data, tmp_path / "out") == 3
     assert (tmp_path / "out" / "u.py").read_text() == "y" and (tmp_path / "out" / "u.py").is_symlink()
+
+
+def test_a_snapshot_upload_may_be_larger_than_other_request_bodies(project, teammate, settings, tmp_path):
+    settings.HANGAR_MAX_BODY_BYTES = 64 * 1024
+    (tmp_path / "weights.bin").write_bytes(os.urandom(200 * 1024))
+    data = pack(tmp_path).data
+    client = api_client(teammate)
+    assert put(client, "vision", data).status_code == 201
+    assert client.post("/api/v1/jobs/", data, content_type="application/gzip").status_code == 413

@@ -55,10 +55,14 @@ class TarballParser(BaseParser):
         return {}
 
 
+class OctetStreamParser(TarballParser):
+    media_type = "application/octet-stream"
+
+
 class SnapshotView(APIView):
     """Whether project <slug> has snapshot <sha256> (GET), and uploading it (PUT)."""
 
-    parser_classes = [TarballParser]
+    parser_classes = [TarballParser, OctetStreamParser]
 
     @extend_schema(
         parameters=[SHA256_PARAMETER],
@@ -74,7 +78,7 @@ class SnapshotView(APIView):
 
     @extend_schema(
         parameters=[SHA256_PARAMETER],
-        request={"application/gzip": OpenApiTypes.BINARY},
+        request={"application/octet-stream": OpenApiTypes.BINARY},  # or application/gzip
         responses={
             200: SnapshotSerializer,
             201: SnapshotSerializer,
