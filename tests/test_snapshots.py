@@ -5,9 +5,11 @@ and downloading a job's code, retention, and the agent's fresh copy per rank and
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -401,3 +403,25 @@ def test_a_snapshot_upload_may_be_larger_than_other_request_bodies(project, team
     client = api_client(teammate)
     assert put(client, "vision", data).status_code == 201
     assert client.post("/api/v1/jobs/", data, content_type="application/gzip").status_code == 413
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("bwrap"), reason="a sandbox needs root and bubblewrap")
+def test_a_sandboxed_job_runs_in_its_own_copy_as_its_uid_and_sees_no_cache(transactional_db, project, owner, settings):
+    settings.HANGAR_SANDBOX, settings.HANGAR_JOB_UID_RANGE = True, (200000, 299999)
+    source = Path(tempfile.mkdtemp(prefix="hangar-code-"))
+    snapshot = make_snapshot(project, owner, {"train.sh": "echo from-the-snapshot"}, source)
+    cache = settings.HANGAR_SNAPSHOT_CACHE_DIR
+    script = f"id -u; sh train.sh; echo w > out.txt && echo wrote; ls {cache} || echo no-cache"
+    job = make_job(
+        project, owner, command=["/bin/sh", "-c", script], snapshot=snapshot, code={"snapshot": snapshot.sha256}
+    )
+    GPU.objects.filter(node=make_node()).update(temperature_c=35, sampled_at=timezone.now())
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+    attempt.refresh_from_db()
+    texts = list(LogLine.objects.filter(attempt=attempt).order_by("seq").values_list("text", flat=True))
+    assert attempt.state == "succeeded", (attempt.reason, texts)
+    assert {str(200000 + job.pk), "from-the-snapshot", "wrote", "no-cache"} <= set(texts)
+    copy = settings.HANGAR_JOB_WORKDIR / str(job.pk) / "code-1-0"
+    assert (copy / "out.txt").stat().st_uid == 200000 + job.pk and not (cache / snapshot.sha256 / "out.txt").exists()
+    shutil.rmtree(source)
