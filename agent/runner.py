@@ -152,6 +152,8 @@ class Runner:
                 self.writer.close()
             self.stop_keeping_lease()
             self.stop_reaper()
+            if self.job.code:
+                snapshots.remove_copy(self.workdir())  # its process group is gone (terminate, exited)
 
     def run_rank(self) -> None:
         self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds

@@ -15,6 +15,7 @@ import shutil
 import tarfile
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from django.conf import settings
@@ -23,6 +24,7 @@ from jobs import snapshots
 from jobs.models import Snapshot
 
 _unpacking = threading.Lock()  # ranks of one agent unpack one at a time; other agents race safely by rename
+IN_USE_SECONDS = 600  # a cache entry used this recently may still be being copied: never evicted
 
 
 class CodeUnavailable(Exception):
@@ -35,10 +37,10 @@ def cached(sha256: str, snapshot_id: int | None) -> Path:
     root = Path(settings.HANGAR_SNAPSHOT_CACHE_DIR)
     entry = root / sha256
     if entry.is_dir():
-        return entry
+        return used(entry)
     with _unpacking:
         if entry.is_dir():
-            return entry
+            return used(entry)
         snapshot = Snapshot.objects.filter(pk=snapshot_id, sha256=sha256).first()
         if snapshot is None:
             raise CodeUnavailable(f"code snapshot {sha256} is no longer stored (retention); submit again with --code")
@@ -54,7 +56,31 @@ def cached(sha256: str, snapshot_id: int | None) -> Path:
             except OSError:  # another agent on this node renamed its copy first: the same bytes
                 if not entry.is_dir():
                     raise
+        evict(root, settings.HANGAR_SNAPSHOT_CACHE_ENTRIES)
+    return used(entry)
+
+
+def used(entry: Path) -> Path:
+    os.utime(entry)  # the entry's time says when a rank last used it (eviction goes by it)
     return entry
+
+
+def evict(root: Path, keep: int) -> list[str]:
+    """Remove the least recently used entries past `keep`, none used in the last IN_USE_SECONDS."""
+    entries = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=mtime)
+    removed = []
+    for entry in entries[: max(0, len(entries) - keep)]:
+        if time.time() - mtime(entry) > IN_USE_SECONDS:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def fetch(snapshot: Snapshot, path: Path) -> None:
@@ -89,3 +115,8 @@ def fresh_copy(job, workdir: Path) -> None:
     workdir.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(workdir.parent, 0o711)  # job uids pass through to their own copy, never list the others
     shutil.copytree(source, workdir, symlinks=True)
+
+
+def remove_copy(workdir: Path) -> None:
+    """A rank's copy once its processes are gone: a node keeps only the copies of running ranks."""
+    shutil.rmtree(workdir, ignore_errors=True)

@@ -121,7 +121,7 @@ def entry_for(root: Path, rel: str) -> tuple[Entry | None, str]:
             return None, "outside"
         return Entry(rel, link=os.path.relpath(target, root / os.path.dirname(rel))), ""
     if stat.S_ISDIR(info.st_mode):
-        return None, ""  # a git submodule: its files are not listed
+        return None, "a git submodule: its files are not packed"
     if not stat.S_ISREG(info.st_mode):
         return None, "not a regular file"
     return Entry(rel, size=info.st_size, executable=bool(info.st_mode & 0o111)), ""

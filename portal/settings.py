@@ -465,6 +465,9 @@ HANGAR_SNAPSHOT_MAX_FILES = env_int("HANGAR_SNAPSHOT_MAX_FILES", 100_000, minimu
 HANGAR_SNAPSHOT_DIFF_MAX_BYTES = env_int("HANGAR_SNAPSHOT_DIFF_MAX_BYTES", 512 * 1024, minimum=0)
 HANGAR_SNAPSHOT_RETENTION_DAYS = env_float("HANGAR_SNAPSHOT_RETENTION_DAYS", 30.0, minimum=0.001)
 HANGAR_SNAPSHOT_CACHE_DIR = Path(env_str("HANGAR_SNAPSHOT_CACHE_DIR", str(DATA_DIR / "snapshot-cache")))
+# How many unpacked snapshots an agent keeps; past it the least recently used go (not one
+# used in the last 10 minutes, which a rank may still be copying).
+HANGAR_SNAPSHOT_CACHE_ENTRIES = env_int("HANGAR_SNAPSHOT_CACHE_ENTRIES", 50, minimum=1)
 # Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
 # "hangar-job"). Unset: as the agent's own user (an agent running as root warns).
 # The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -373,7 +374,8 @@ def test_each_attempt_runs_in_a_fresh_copy_of_the_snapshot(transactional_db, pro
     assert texts.count(f"sha {own}") == 2
     assert texts.count("leftover False") == 2  # attempt 2 did not see what attempt 1 wrote
     assert (node_dirs / "cache" / snapshot.sha256 / "train.py").read_text() == SCRIPT  # the cache is untouched
-    assert (node_dirs / "jobs" / str(job.pk) / "code-1-0" / "out.txt").read_text() == "written by attempt 1"
+    assert not (node_dirs / "jobs" / str(job.pk) / "code-1-0").exists()  # a rank's copy goes when it ends
+    assert (node_dirs / "jobs" / str(job.pk) / "checkpoints").is_dir()  # the checkpoints stay
 
 
 def test_the_agent_refuses_a_stored_snapshot_that_does_not_match_its_hash(db, project, owner, node_dirs):
@@ -411,7 +413,7 @@ def test_a_sandboxed_job_runs_in_its_own_copy_as_its_uid_and_sees_no_cache(trans
     source = Path(tempfile.mkdtemp(prefix="hangar-code-"))
     snapshot = make_snapshot(project, owner, {"train.sh": "echo from-the-snapshot"}, source)
     cache = settings.HANGAR_SNAPSHOT_CACHE_DIR
-    script = f"id -u; sh train.sh; echo w > out.txt && echo wrote; ls {cache} || echo no-cache"
+    script = f"id -u; stat -c owner=%u .; sh train.sh; echo w > out.txt && echo wrote; ls {cache} || echo no-cache"
     job = make_job(
         project, owner, command=["/bin/sh", "-c", script], snapshot=snapshot, code={"snapshot": snapshot.sha256}
     )
@@ -421,7 +423,17 @@ def test_a_sandboxed_job_runs_in_its_own_copy_as_its_uid_and_sees_no_cache(trans
     attempt.refresh_from_db()
     texts = list(LogLine.objects.filter(attempt=attempt).order_by("seq").values_list("text", flat=True))
     assert attempt.state == "succeeded", (attempt.reason, texts)
-    assert {str(200000 + job.pk), "from-the-snapshot", "wrote", "no-cache"} <= set(texts)
-    copy = settings.HANGAR_JOB_WORKDIR / str(job.pk) / "code-1-0"
-    assert (copy / "out.txt").stat().st_uid == 200000 + job.pk and not (cache / snapshot.sha256 / "out.txt").exists()
+    uid = 200000 + job.pk
+    assert {str(uid), f"owner={uid}", "from-the-snapshot", "wrote", "no-cache"} <= set(texts)
+    assert (cache / snapshot.sha256 / "train.sh").exists() and not (cache / snapshot.sha256 / "out.txt").exists()
     shutil.rmtree(source)
+
+
+def test_the_node_cache_evicts_the_least_recently_used_entries_but_not_one_in_use(tmp_path):
+    now = time.time()
+    for name, age in (("old", 7200), ("older", 9000), ("busy", 60), ("new", 0)):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age, now - age))
+    (tmp_path / ".unpack-x").mkdir()  # an unpacking in progress is no entry
+    assert node_snapshots.evict(tmp_path, keep=1) == ["older", "old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".unpack-x", "busy", "new"]
