@@ -59,7 +59,7 @@ class Snapshot(models.Model):
         cutoff = timezone.now() - timedelta(days=days)
         waiting = [state for state in JobState.values if state not in FINAL_JOB_STATES]
         expired = cls.objects.filter(last_referenced_at__lt=cutoff).exclude(jobs__state__in=waiting)
-        ids = list(expired.order_by("last_referenced_at").values_list("pk", flat=True).distinct()[:max_rows])
+        ids = list(expired.order_by("last_referenced_at").values_list("pk", flat=True)[:max_rows])
         deleted = 0
         for pk in ids:  # one at a time, asked again: a submit may have named it meanwhile
             deleted += expired.filter(pk=pk).delete()[1].get("jobs.Snapshot", 0)
