@@ -116,6 +116,12 @@ def entry_for(root: Path, rel: str) -> tuple[Entry | None, str]:
     except FileNotFoundError:
         return None, ""  # listed by git but deleted in the work tree
     if stat.S_ISLNK(info.st_mode):
+        try:
+            os.path.realpath(path, strict=True)
+        except FileNotFoundError:
+            pass  # dangling: packed as it is, it may point to what the job makes
+        except OSError:
+            return None, "a symlink loop"
         target = Path(os.path.realpath(path))
         if target != root and root not in target.parents:
             return None, "outside"

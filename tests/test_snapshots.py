@@ -111,6 +111,11 @@ def test_a_symlink_inside_is_packed_as_a_link_and_one_outside_is_refused(tmp_pat
     assert names_in(pack(root).data)["lib_alias"] == "lib"
     assert "lib_alias/util.py" not in names_in(pack(root).data)
 
+    (root / "loop").symlink_to("loop")  # left out, said so
+    (root / "later").symlink_to("out/model.pt")  # dangling, inside: kept
+    packed = pack(root)
+    assert packed.skipped == ["loop (a symlink loop)"] and names_in(packed.data)["later"] == "out/model.pt"
+
     write(tmp_path, {"secret.txt": "outside"})
     (root / "data").symlink_to(tmp_path / "secret.txt")
     with pytest.raises(SnapshotError) as refused:
