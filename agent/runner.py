@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import environments, network, running, sandbox, watch
+from agent import environments, network, running, sandbox, snapshots, watch
 from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
@@ -154,6 +154,8 @@ class Runner:
                 self.writer.close()
             self.stop_keeping_lease()
             self.stop_reaper()
+            if self.job.code:
+                snapshots.remove_copy(self.workdir())  # its process group is gone (terminate, exited)
 
     def run_rank(self) -> None:
         self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds
@@ -213,6 +215,8 @@ class Runner:
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         if behind := self.checkpoint_left_behind():
             self.system(behind)
+        if (unpacked := self.prepare_code()) is not None:
+            return unpacked, None
         try:
             self.proc = self.start_process()
         except secret_env.SecretUnreadable as exc:  # this node's keys, not the job: infra
@@ -327,7 +331,29 @@ class Runner:
         return self.master.address or self.master.hostname or self.master.name
 
     def workdir(self) -> Path:
-        return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
+        """The job's directory; with a code snapshot, each rank of each attempt has its own
+        copy of the code in it (next to the checkpoint directory they share)."""
+        jobdir = settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
+        return jobdir / f"code-{self.attempt.number}-{self.rank}" if self.job.code else jobdir
+
+    def prepare_code(self) -> Outcome | None:
+        """A job submitted with --code runs in a fresh copy of its snapshot (agent/snapshots.py);
+        the Outcome when that cannot be made: the snapshot gone (the user's to send again) or
+        this node unable to unpack it (infra: another node may)."""
+        if not self.job.code:
+            return None
+        sha = self.job.code["snapshot"]
+        try:
+            snapshots.fresh_copy(self.job, self.workdir())
+        except snapshots.CodeUnavailable as exc:
+            self.system(str(exc), error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.USER, str(exc))
+        except OSError as exc:
+            reason = f"could not unpack code snapshot {sha[:12]} on node {self.node.name}: {exc}"
+            self.system(reason, error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason)
+        self.system(f"running in a fresh copy of code snapshot {sha[:12]}")
+        return None
 
     def start_process(self) -> subprocess.Popen:
         container = environments.is_container(self.job)

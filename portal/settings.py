@@ -456,6 +456,18 @@ HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 # so a job requeued onto another host starts without its checkpoint (its log says so). On a
 # fleet of several hosts, point it at storage every node mounts at the same path.
 HANGAR_CHECKPOINT_ROOT = env_str("HANGAR_CHECKPOINT_ROOT")
+# Code snapshots (`hangar submit --code DIR`, jobs/snapshots.py): the most a snapshot's files
+# may hold, unpacked (its upload may be a little larger: tar headers), and how many files;
+# how much of a dirty tree's `git diff` is kept; how long a snapshot no job has named since
+# is kept; and where each agent keeps the snapshots it unpacked (one directory per hash).
+HANGAR_SNAPSHOT_MAX_MB = env_int("HANGAR_SNAPSHOT_MAX_MB", 100, minimum=1)
+HANGAR_SNAPSHOT_MAX_FILES = env_int("HANGAR_SNAPSHOT_MAX_FILES", 100_000, minimum=1)
+HANGAR_SNAPSHOT_DIFF_MAX_BYTES = env_int("HANGAR_SNAPSHOT_DIFF_MAX_BYTES", 512 * 1024, minimum=0)
+HANGAR_SNAPSHOT_RETENTION_DAYS = env_float("HANGAR_SNAPSHOT_RETENTION_DAYS", 30.0, minimum=0.001)
+HANGAR_SNAPSHOT_CACHE_DIR = Path(env_str("HANGAR_SNAPSHOT_CACHE_DIR", str(DATA_DIR / "snapshot-cache")))
+# How many unpacked snapshots an agent keeps; past it the least recently used go (not one
+# used in the last 10 minutes, which a rank may still be copying).
+HANGAR_SNAPSHOT_CACHE_ENTRIES = env_int("HANGAR_SNAPSHOT_CACHE_ENTRIES", 50, minimum=1)
 # Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
 # "hangar-job"). Unset: as the agent's own user (an agent running as root warns).
 # The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run
