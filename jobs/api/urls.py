@@ -5,6 +5,7 @@ from jobs.api.costs import CostJobsView, CostSummaryView
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.notify import SubscriptionViewSet
+from jobs.api.snapshots import JobCodeDiffView, JobCodeView, SnapshotView
 from jobs.api.sweeps import SweepViewSet
 from jobs.api.tokens import CurrentTokenUsageView, TokenUsageView
 from jobs.api.views import JobViewSet, PriorityListView, QueueView
@@ -21,6 +22,9 @@ urlpatterns = [
     path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="api-job-metrics"),
     path("tokens/<int:pk>/usage/", TokenUsageView.as_view(), name="api-token-usage"),
     path("tokens/current/usage/", CurrentTokenUsageView.as_view(), name="api-token-usage-current"),
+    path("jobs/<int:pk>/code/", JobCodeView.as_view(), name="api-job-code"),
+    path("jobs/<int:pk>/code/diff/", JobCodeDiffView.as_view(), name="api-job-code-diff"),
+    path("projects/<slug:slug>/snapshots/<str:sha256>/", SnapshotView.as_view(), name="api-snapshot"),
     path("costs/summary/", CostSummaryView.as_view(), name="api-cost-summary"),
     path("costs/jobs/", CostJobsView.as_view(), name="api-cost-jobs"),
     *router.urls,

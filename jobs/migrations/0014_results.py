@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0012_notifications'),
+        ('jobs', '0013_snapshots'),
         ('portal', '0005_token_limits'),
     ]
 
