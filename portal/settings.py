@@ -299,7 +299,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "SCHEMA_PATH_PREFIX": "/api/v1",
-    "ENUM_NAME_OVERRIDES": {"RoleEnum": "portal.models.Role.choices"},
+    "ENUM_NAME_OVERRIDES": {
+        "RoleEnum": "portal.models.Role.choices",
+        "VolumeModeEnum": "portal.models.VolumeMode.choices",
+        "ObjectiveModeEnum": "jobs.api.serializers.OBJECTIVE_MODES",
+    },
     # Every operation declares the error statuses it may answer (schemathesis checks them all).
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "portal.api.schema.declare_errors"],
 }

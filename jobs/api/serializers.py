@@ -99,6 +99,9 @@ class DependencySerializer(serializers.Serializer):
     )
 
 
+OBJECTIVE_MODES = ["min", "max"]
+
+
 class ObjectiveSerializer(serializers.Serializer):
     """What a job is scored by: one of its metrics, and whether lower or higher is better."""
 
@@ -107,7 +110,7 @@ class ObjectiveSerializer(serializers.Serializer):
         error_messages={"required": "is required: the name of a metric the job logs, e.g. val_loss"},
     )
     mode = serializers.ChoiceField(
-        choices=["min", "max"],
+        choices=OBJECTIVE_MODES,
         error_messages={
             "required": "is required: min (lower is better, a loss) or max (higher is better, an accuracy)",
             "invalid_choice": "{input} is not a mode; use min (lower is better) or max (higher is better)",

@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs import jobspec, reproduce, results
+from jobs.api.resultshape import ResultSerializer
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState, priority_classes
 from jobs.scheduler import queue_report
@@ -120,7 +121,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return Response(JobSerializer(submit.save(), context={"created": True}).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
-        responses=OpenApiTypes.OBJECT,
+        responses=ResultSerializer,
         description="The job's result in one document: state, exit code, failure class, diagnosis, every "
         "metric's last and best value and step, the objective's value, the last 50 log lines and the first "
         "error, cost, and the seconds queued / in preflight / running (README: Agents).",
