@@ -3,8 +3,8 @@
 `result(job)` answers `GET /api/v1/jobs/<id>/result/`, `hangar result ID` and each document
 of `hangar wait ID... --json`: state, exit code, failure class, the latest attempt's
 diagnosis, every metric's last and best value (MLflow), the objective's value, the last 50
-log lines and the first error line of the latest attempt, cost, and the time spent queued,
-in preflight and running over all attempts. `comparison(a, b)` sets two side by side.
+log lines and the first error line of the latest attempt, cost, the time spent queued,
+in preflight and running over all attempts, and the code it ran. `comparison(a, b)` sets two side by side.
 
 The summaries of metric histories are plain functions over plain data (`summarise`,
 `objective_value`); the rest only loads.
@@ -16,7 +16,7 @@ from decimal import Decimal
 from django.utils import timezone
 
 from jobs import reproduce, tracking
-from jobs.api.serializers import diagnosis_of
+from jobs.api.serializers import JobSerializer, diagnosis_of
 from jobs.costs import WASTED_LABELS
 from jobs.logquery import first_error, wire_lines
 from jobs.models import Attempt, Job, JobState, LogLine, attempt_cost_of
@@ -104,6 +104,8 @@ def result(job: Job) -> dict:
         "log_tail": log_tail(latest),
         "cost": cost_of(attempts),
         "times": times_of(job, attempts),
+        "code": JobSerializer().get_code(job),  # the snapshot it ran (hangar submit --code), or null
+        "code_version": job.code_version,
         "mlflow_run_id": job.mlflow_run_id,
         "urls": {"api": f"/api/v1/jobs/{job.pk}/", "page": f"/jobs/{job.pk}/", "logs": f"/api/v1/jobs/{job.pk}/logs/"},
     }

@@ -4,7 +4,7 @@
 
 from rest_framework import serializers
 
-from jobs.api.serializers import DiagnosisSerializer
+from jobs.api.serializers import CodeOfJobSerializer, DiagnosisSerializer
 
 
 class PointSerializer(serializers.Serializer):
@@ -78,5 +78,7 @@ class ResultSerializer(serializers.Serializer):
     log_tail = LineSerializer(many=True, help_text="The latest attempt's last 50 lines.")
     cost = ResultCostSerializer()
     times = ResultTimesSerializer()
+    code = CodeOfJobSerializer(allow_null=True, help_text="The code snapshot it ran, as on the job.")
+    code_version = serializers.CharField(allow_blank=True)
     mlflow_run_id = serializers.CharField(allow_blank=True)
     urls = serializers.DictField(child=serializers.CharField())
