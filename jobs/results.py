@@ -94,7 +94,7 @@ def result(job: Job) -> dict:
         "state_reason": job.state_reason,
         "exit_code": job.exit_code,
         "failure_class": job.failure_class,
-        "attempts": len(attempts),
+        "attempt_count": len(attempts),
         "diagnosis": diagnosis_of(latest),
         "objective": objective_value(job.objective, summaries),
         "metrics": summaries,

@@ -170,7 +170,7 @@ def test_a_queued_job_counts_its_wait_so_far(client, owner, project, settings):
     job = make_job(project, owner, queued_at=timezone.now() - timedelta(seconds=5))
     body = client.get(f"/api/v1/jobs/{job.pk}/result/").json()
     assert body["state"] == "queued" and body["log_tail"] == [] and body["first_error"] is None
-    assert body["times"]["queued_seconds"] >= 5 and body["attempts"] == 0
+    assert body["times"]["queued_seconds"] >= 5 and body["attempt_count"] == 0
     assert not Attempt.objects.exists()
 
 

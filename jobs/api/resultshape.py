@@ -68,7 +68,7 @@ class ResultSerializer(serializers.Serializer):
     state_reason = serializers.CharField(allow_blank=True)
     exit_code = serializers.IntegerField(allow_null=True)
     failure_class = serializers.CharField(allow_blank=True)
-    attempts = serializers.IntegerField()
+    attempt_count = serializers.IntegerField()
     diagnosis = DiagnosisSerializer(allow_null=True)
     objective = ObjectiveValueSerializer(allow_null=True)
     metrics = serializers.DictField(child=MetricSummarySerializer())
