@@ -47,6 +47,9 @@ class Attempt(models.Model):
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
     diagnosis = models.JSONField(default=dict, blank=True, help_text="Why it failed (jobs/diagnosis.py); hang flags.")
+    environment = models.JSONField(
+        default=dict, blank=True, help_text="Its cached environment on rank 0's node: hash, python, packages, cached."
+    )
 
     class Meta:
         ordering = ["job", "number"]
