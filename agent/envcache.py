@@ -20,6 +20,7 @@ binds the environment read-only):
     uv/                         uv's download cache
 """
 
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -48,6 +49,8 @@ META = "hangar-env.json"
 HASH_VERSION = "hangar-env-1"
 POLL_SECONDS = 0.2
 SAY = Callable[[str], None]
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec must not dlopen
 
 
 class BuildFailed(Exception):
@@ -419,8 +422,8 @@ def run_uv(store: Cache, args: list[str], say: SAY, still_current, stdin: str | 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
-        preexec_fn=lambda: os.umask(0o022),
+        start_new_session=True,  # its own group: a stop kills uv and what it started
+        preexec_fn=uv_preexec,
     )
     errors: list[str] = []
     out: list[str] = []
@@ -453,6 +456,13 @@ def run_uv(store: Cache, args: list[str], say: SAY, still_current, stdin: str | 
     if proc.returncode != 0:
         raise BuildFailed(failure_reason("\n".join(errors)))
     return "".join(out)
+
+
+def uv_preexec() -> None:
+    """uv dies with the runner's thread (a killed agent leaves no build running on), and what it
+    writes is readable by job uids (Hangar's own umask is 077)."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.umask(0o022)
 
 
 def relay(stream, say: SAY, errors: list[str]) -> None:
