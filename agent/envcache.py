@@ -40,7 +40,7 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
-from jobs.models import STARTED_ATTEMPT_STATES, Attempt, FailureClass
+from jobs.models import FailureClass
 from jobs.models.environment import job_requirements, requirements_key
 
 log = logging.getLogger("hangar.agent")
@@ -510,11 +510,6 @@ def evict(store: Cache, keep: set[str]) -> list[str]:
         finally:
             os.close(fd)
     return gone
-
-
-def record_for(attempt_id: int, record: dict) -> None:
-    """Store what the attempt ran in (the Reproduce record), while the attempt is current."""
-    Attempt.objects.filter(pk=attempt_id, state__in=STARTED_ATTEMPT_STATES).update(environment=record)
 
 
 # --- what the node reports ----------------------------------------------------------------------

@@ -220,7 +220,8 @@ class Runner:
             return Outcome(AttemptState.FAILED, FailureClass.USER, reason), 127 if isinstance(
                 exc, FileNotFoundError
             ) else 126
-        if not self.attempt.mark_running(self.proc.pid):
+        record = self.environment.record if self.environment is not None and self.rank == 0 else None
+        if not self.attempt.mark_running(self.proc.pid, record):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
         return self.watch()
 
@@ -233,8 +234,6 @@ class Runner:
         except envcache.BuildFailed as exc:
             self.system(exc.reason, error=True)
             return Outcome(AttemptState.FAILED, exc.failure_class, exc.reason)
-        if self.environment is not None and self.rank == 0:
-            envcache.record_for(self.attempt.pk, self.environment.record)
         return None
 
     def rendezvous(self) -> list[str]:

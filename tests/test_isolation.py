@@ -32,7 +32,7 @@ def schema_operations() -> list[tuple[str, str]]:
 @pytest.fixture
 def lab(roles):
     node = make_node()
-    job = make_job(roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER})
+    job = make_job(roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER}, requirements=[MARKER])
     token, _ = ApiToken.issue(roles["member"], MARKER)
     volume = Volume.objects.create(project=roles["lab"], name="data", path=f"/{MARKER}")
     return {"node": node, "job": job, "token": token, "volume": volume, **roles}
