@@ -345,3 +345,14 @@ def test_a_sandboxed_job_runs_in_its_cached_environment_as_its_own_uid(transacti
     assert ran.startswith(f"uid {200000 + job.pk} six 1.17.0 prefix {settings.HANGAR_ENV_CACHE_DIR}/envs/")
     assert any(t.startswith("write refused:") for t in lines), lines
     assert attempt.environment["python"].startswith("cpython-3.11")
+
+
+def test_an_admin_defined_cached_environment_follows_the_submits_rules(db):
+    from django.core.exceptions import ValidationError
+
+    ray = Environment(name="ray", requirements=["Ray[default]==2.60.0"], everywhere=True)
+    ray.full_clean()
+    assert ray.cached and ray.requirements == ["ray[default]==2.60.0"]
+
+    with pytest.raises(ValidationError, match="options such as -r"):
+        Environment(name="bad", requirements=["-e /srv/code"]).full_clean()

@@ -44,6 +44,19 @@ class Environment(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def clean(self) -> None:
+        """The admin's form: requirements by the submit's rules, normalised (jobs/jobspec.py)."""
+        from django.core.exceptions import ValidationError
+
+        from jobs import jobspec
+
+        try:
+            self.requirements = jobspec.parse_requirements(self.requirements or [])
+        except (TypeError, ValueError) as exc:
+            raise ValidationError({"requirements": str(exc)})
+        if problem := jobspec.python_problem(self.python_version):
+            raise ValidationError({"python_version": problem})
+
     @property
     def cached(self) -> bool:
         """Built on demand from requirements on whichever node runs it (so every node can)."""
