@@ -148,6 +148,10 @@ class Cache:
     def complete(self, hash_: str) -> bool:
         return (self.env(hash_) / META).is_file()
 
+    def usable(self, hash_: str) -> bool:
+        """Complete, and its interpreter still there (bin/python links to the node's Python)."""
+        return self.complete(hash_) and (self.env(hash_) / "bin" / "python").exists()
+
     def meta(self, hash_: str) -> dict:
         try:
             return json.loads((self.env(hash_) / META).read_text())
@@ -333,12 +337,13 @@ def prepare(job, say: SAY, still_current: Callable[[], bool]) -> Prepared | None
 
 
 def hold_shared(store: Cache, hash_: str) -> Prepared | None:
-    """A shared hold on a complete environment, or None (absent, or evicted meanwhile)."""
-    if not store.complete(hash_):
+    """A shared hold on a usable environment, or None (absent, evicted meanwhile, or its
+    interpreter gone: then it is resolved again, for the interpreter the node has now)."""
+    if not store.usable(hash_):
         return None
     fd = store.lock(hash_)
     fcntl.flock(fd, fcntl.LOCK_SH)  # an eviction holds it exclusively only while it removes
-    if not store.complete(hash_):
+    if not store.usable(hash_):
         os.close(fd)
         return None
     meta = store.meta(hash_)

@@ -75,3 +75,20 @@ def test_a_package_that_does_not_exist_fails_the_attempt_as_the_users_with_a_dia
     assert "hangar-no-such-package-xyz" in diagnosis["summary"] and "not found" in diagnosis["summary"]
     assert "hangar-no-such-package-xyz" in diagnosis["hint"]
     assert any(e["text"].startswith("[hangar] uv:") for e in diagnosis["evidence"])
+
+
+def test_a_job_cancelled_during_its_build_leaves_no_cache_entry(stack):
+    job = stack.submit(PRINT_SIX, requirements=["numpy==2.2.6", "six==1.17.0"])
+    deadline = time.monotonic() + 120
+    while not any(t.startswith("[hangar] building environment") for t in log_of(stack, job["id"])):
+        assert time.monotonic() < deadline and stack.job(job["id"])["state"] not in DONE, log_of(stack, job["id"])
+        time.sleep(0.05)
+
+    stack.api("POST", f"/api/v1/jobs/{job['id']}/cancel/", json={"reason": "mid-build"})
+    done = stack.wait_for(job["id"], DONE, timeout=60)
+
+    assert done["state"] == "cancelled" and not done["attempts"][0]["environment"]
+    envs = stack.data_dir / "envs" / "envs"
+    built = {p.name for p in envs.iterdir() if not p.name.startswith(".")}
+    assert all("numpy==2.2.6" not in (envs / name / "hangar-env.json").read_text() for name in built)
+    assert not list(envs.glob(".build-*"))  # the agent killed uv and removed its folder

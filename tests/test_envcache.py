@@ -356,3 +356,20 @@ def test_an_admin_defined_cached_environment_follows_the_submits_rules(db):
 
     with pytest.raises(ValidationError, match="options such as -r"):
         Environment(name="bad", requirements=["-e /srv/code"]).full_clean()
+
+
+def test_the_form_takes_a_requirements_file_and_the_job_page_shows_them(db, project, owner, node):
+    from jobs.models import Job
+
+    client = Client()
+    client.force_login(owner)
+    form = {"project": "vision", "command": "python train.py", "gpus_per_node": 1, "max_runtime_seconds": 60}
+
+    refused = client.post("/jobs/new/", {**form, "requirements": "six\n--index-url https://x.example/"})
+    wanted = {**form, "requirements": "six==1.17.0\n", "python_version": "3.11"}
+    created = client.post("/jobs/new/", wanted, follow=True)
+
+    assert "options such as -r, -e or --index-url are not accepted" in refused.content.decode()
+    job = Job.objects.get()
+    assert (job.requirements, job.python_version) == (["six==1.17.0"], "3.11")
+    assert "Requirements" in created.content.decode() and "six==1.17.0" in created.content.decode()

@@ -69,6 +69,12 @@ class ArgvField(serializers.ListField):
         return argv
 
 
+@extend_schema_field(
+    {
+        "oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}],
+        "example": ["six==1.17.0", "numpy>=2"],
+    }
+)
 class RequirementsField(serializers.Field):
     """Python requirements: a list of specifiers, or a requirements.txt's text (one a line)."""
 
