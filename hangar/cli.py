@@ -229,10 +229,24 @@ def describe(job: dict) -> str:
     ]
     if job.get("exit_code") is not None:
         head.append(f"  exit:     {job['exit_code']} ({job.get('failure_class') or 'ok'})")
+    head += describe_environment(job)
     head += describe_diagnosis(job)
     attempts = [{**a, "placement": placement_text(a)} for a in job.get("attempts", [])]
     columns = ["number", "state", "placement", "started_at", "finished_at", "exit_code", "failure_class"]
     return "\n".join(head) + ("\n\n" + table(attempts, columns) if attempts else "")
+
+
+def describe_environment(job: dict) -> list[str]:
+    """Its requirements, and the cached environment its latest attempt ran in (hash, how it was had)."""
+    if not job.get("requirements"):
+        return []
+    python = f" (Python {job['python_version']})" if job.get("python_version") else ""
+    lines = [f"  requires: {' '.join(job['requirements'])}{python}"]
+    record = next((a["environment"] for a in reversed(job.get("attempts", [])) if a.get("environment")), None)
+    if record:
+        how = "cached" if record.get("cached") else f"built in {record.get('build_seconds')} s"
+        lines.append(f"  env:      {record['hash'][:12]} {record['python']}, {how}: {' '.join(record['packages'])}")
+    return lines
 
 
 def placement_text(attempt: dict) -> str:

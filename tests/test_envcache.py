@@ -373,3 +373,15 @@ def test_the_form_takes_a_requirements_file_and_the_job_page_shows_them(db, proj
     job = Job.objects.get()
     assert (job.requirements, job.python_version) == (["six==1.17.0"], "3.11")
     assert "Requirements" in created.content.decode() and "six==1.17.0" in created.content.decode()
+
+
+def test_the_cli_status_tells_the_requirements_and_the_environment_an_attempt_ran_in():
+    record = {"hash": "f" * 64, "python": "cpython-3.11.7-linux-x86_64", "packages": ["six==1.17.0"], "cached": True}
+    attempts = [{"environment": {}}, {"environment": record}]
+    job = {"requirements": ["six"], "python_version": "3.11", "attempts": attempts}
+
+    assert cli.describe_environment(job) == [
+        "  requires: six (Python 3.11)",
+        "  env:      ffffffffffff cpython-3.11.7-linux-x86_64, cached: six==1.17.0",
+    ]
+    assert cli.describe_environment({"requirements": [], "attempts": []}) == []
