@@ -208,9 +208,10 @@ class Cache:
                 key.unlink(missing_ok=True)
 
     def sweep(self, hash_: str) -> None:
-        """Builds of `hash_` left by a killed agent (its exclusive lock held: none is running)."""
-        for path in (self.root / "envs").glob(f".build-{hash_}-*"):
-            shutil.rmtree(path, ignore_errors=True)
+        """Builds (and evictions) of `hash_` a killed agent left (its exclusive lock held: none runs)."""
+        for pattern in (f".build-{hash_}-*", f".evict-{hash_}-*"):
+            for path in (self.root / "envs").glob(pattern):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def cache() -> Cache:
@@ -361,7 +362,7 @@ def build_or_wait(store, hash_, exe, ident, resolved, say: SAY, still_current) -
             build(store, hash_, exe, ident, resolved, say, still_current)
             evict(store, keep={hash_})
         else:
-            say(f"environment {hash_[:12]} was built by another job meanwhile: no build")
+            say(f"environment {hash_[:12]} is built on this node already (by another job meanwhile): no build")
         fcntl.flock(fd, fcntl.LOCK_SH)  # not atomic: the entry is checked again below
     except BaseException:
         os.close(fd)
