@@ -227,9 +227,12 @@ class Launch:
         return code
 
 
-def launch_for(job, gpus: list[int], workdir: Path, real_gpus: bool, container: bool) -> Launch | None:
+def launch_for(
+    job, gpus: list[int], workdir: Path, real_gpus: bool, container: bool, env_path: Path | None = None
+) -> Launch | None:
     """The job's uid and sandbox on this node, or None when the node isolates nothing
-    (not root, HANGAR_JOB_UID_RANGE=off: today's behaviour, announced at start)."""
+    (not root, HANGAR_JOB_UID_RANGE=off: today's behaviour, announced at start).
+    `env_path`: its cached environment, bound read-only (it lies in the hidden data directory)."""
     from django.conf import settings
 
     isolation_mode, reason = mode()
@@ -247,7 +250,7 @@ def launch_for(job, gpus: list[int], workdir: Path, real_gpus: bool, container: 
         workdir=str(workdir),
         checkpoint_dir=str(job.checkpoint_dir()),
         hidden=hidden_paths(settings),
-        binds=job_binds(job),
+        binds=job_binds(job, env_path),
         gpus=tuple(gpus),
         real_gpus=real_gpus,
         network=getattr(job.project, "network", "host"),
@@ -279,10 +282,12 @@ def hidden_paths(settings) -> tuple[str, ...]:
     )
 
 
-def job_binds(job) -> tuple[Bind, ...]:
+def job_binds(job, env_path: Path | None = None) -> tuple[Bind, ...]:
     binds = []
     environment = job.environment
-    if environment is not None and environment.path:
+    if env_path is not None:
+        binds.append(Bind(os.path.normpath(env_path)))
+    elif environment is not None and environment.path:
         binds.append(Bind(os.path.normpath(environment.path)))
     for volume in job.volumes:
         binds.append(Bind(os.path.normpath(volume["path"]), writable=volume.get("mode") == "rw"))

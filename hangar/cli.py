@@ -138,6 +138,22 @@ def pairs(items: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def read_requirements(path: str) -> str:
+    """A requirements.txt's text, sent as is: the server checks each line (and names the wrong one)."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise HangarError(f"cannot read requirements file {path}: {reason}", EXIT_USAGE)
+
+
+def requirement_list(value) -> list[str]:
+    """Requirements from a job file or --requirements (a list, or a requirements.txt's text) as a list."""
+    if not value:
+        return []
+    return value.splitlines() if isinstance(value, str) else list(value)
+
+
 def job_spec(args) -> dict:
     spec = load_job_file(args.file) if args.file else {}
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -158,6 +174,12 @@ def job_spec(args) -> dict:
     for volume in args.volume or []:
         name, _, mode = volume.partition(":")
         spec.setdefault("volumes", []).append({"name": name, "mode": mode or "ro"})
+    if args.requirements:
+        spec["requirements"] = read_requirements(args.requirements)
+    if args.pip:
+        spec["requirements"] = requirement_list(spec.get("requirements")) + list(args.pip)
+    if args.python:
+        spec["python_version"] = args.python
     for after in args.after or []:
         job, _, condition = after.partition(":")
         if not job.isdigit() or condition not in ("", "succeeded", "finished"):
@@ -253,6 +275,7 @@ def describe(job: dict) -> str:
         head.append(f"  code:     snapshot {code['snapshot'][:12]}{git_text(code)}")
     if job.get("exit_code") is not None:
         head.append(f"  exit:     {job['exit_code']} ({job.get('failure_class') or 'ok'})")
+    head += describe_environment(job)
     head += describe_diagnosis(job)
     attempts = [{**a, "placement": placement_text(a)} for a in job.get("attempts", [])]
     columns = ["number", "state", "placement", "started_at", "finished_at", "exit_code", "failure_class"]
@@ -263,6 +286,19 @@ def git_text(code: dict) -> str:
     if not code.get("commit"):
         return ""
     return f" (git {code.get('branch') or 'detached'} @ {code['commit'][:12]}{', dirty' if code.get('dirty') else ''})"
+
+
+def describe_environment(job: dict) -> list[str]:
+    """Its requirements, and the cached environment its latest attempt ran in (hash, how it was had)."""
+    if not job.get("requirements"):
+        return []
+    python = f" (Python {job['python_version']})" if job.get("python_version") else ""
+    lines = [f"  requires: {' '.join(job['requirements'])}{python}"]
+    record = next((a["environment"] for a in reversed(job.get("attempts", [])) if a.get("environment")), None)
+    if record:
+        how = "cached" if record.get("cached") else f"built in {record.get('build_seconds')} s"
+        lines.append(f"  env:      {record['hash'][:12]} {record['python']}, {how}: {' '.join(record['packages'])}")
+    return lines
 
 
 def placement_text(attempt: dict) -> str:
@@ -533,6 +569,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", help="a priority class of the server (`hangar priorities` lists them)")
     p.add_argument("--environment", help="a named environment, e.g. hangar-venv (this install's virtualenv)")
     p.add_argument("--max-runtime", type=int, metavar="SECONDS")
+    p.add_argument(
+        "--requirements", metavar="FILE", help="a requirements.txt: the job runs in its cached environment (uv)"
+    )
+    p.add_argument("--pip", nargs="+", action="extend", metavar="PKG", help="packages of its cached environment")
+    p.add_argument("--python", metavar="VERSION", help="with requirements: the Python version, e.g. 3.11")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE")
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")
     p.add_argument("-v", "--volume", action="append", metavar="NAME[:rw]")

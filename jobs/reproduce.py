@@ -16,6 +16,8 @@ SPEC_FIELDS = [
     "max_runtime_seconds",
     "code_version",
     "environment",
+    "requirements",
+    "python_version",
     "config",
     "data_refs",
 ]
@@ -43,6 +45,8 @@ def record(job) -> dict:
             "gpu_indices": a.gpu_indices,
             # Every rank's node and GPUs, rank 0 first (a multi-node attempt ran on several).
             "ranks": [{"rank": r["rank"], "node": r["node"] or a.node.name, "gpu_indices": r["gpus"]} for r in a.ranks],
+            # Its cached environment as rank 0's node resolved it: hash and exact packages.
+            **({"environment": a.environment} if a.environment else {}),
         }
         for a in job.attempts.select_related("node")
     ]
@@ -72,7 +76,7 @@ def clone_data(job) -> dict:
         stop_on_hang=job.stop_on_hang,
         code=clone_code(job),
     )
-    return {k: v for k, v in data.items() if v not in ("", None)}
+    return {k: v for k, v in data.items() if v not in ("", None, [])}
 
 
 def clone_code(job) -> dict | None:

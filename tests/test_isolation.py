@@ -36,7 +36,14 @@ def lab(roles, tmp_path):
     snapshot = make_snapshot(roles["lab"], roles["member"], {"train.py": f"print('{MARKER}')"}, tmp_path)
     code = {"snapshot": snapshot.sha256, "branch": MARKER}
     job = make_job(
-        roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER}, snapshot=snapshot, code=code, code_diff=MARKER
+        roles["lab"],
+        roles["member"],
+        name=MARKER,
+        env={"MARK": MARKER},
+        snapshot=snapshot,
+        code=code,
+        code_diff=MARKER,
+        requirements=[MARKER],
     )
     token, _ = ApiToken.issue(roles["member"], MARKER)
     volume = Volume.objects.create(project=roles["lab"], name="data", path=f"/{MARKER}")
