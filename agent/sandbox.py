@@ -279,8 +279,22 @@ def hidden_paths(settings) -> tuple[str, ...]:
     )
 
 
+def prepare_pipeline_dir(path: str, shared: bool) -> None:
+    """A pipeline run's directory (jobs/pipelines.py), made here too when the portal's is on
+    another machine. `shared`: each stage runs as a uid of its own, and all of them write
+    there; its name is unguessable and the sandbox hides its root from every other job."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    if shared and stat.S_IMODE(directory.stat().st_mode) != 0o777:
+        directory.chmod(0o777)
+
+
 def job_binds(job) -> tuple[Bind, ...]:
+    from jobs.pipelines import stage_env
+
     binds = []
+    if pipeline_dir := stage_env(job).get("HANGAR_PIPELINE_DIR"):
+        binds.append(Bind(os.path.normpath(pipeline_dir), writable=True))
     environment = job.environment
     if environment is not None and environment.path:
         binds.append(Bind(os.path.normpath(environment.path)))

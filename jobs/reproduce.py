@@ -47,6 +47,10 @@ def record(job) -> dict:
         for a in job.attempts.select_related("node")
     ]
     spec["mlflow_run_id"] = job.mlflow_run_id
+    from jobs import pipelines  # it submits through jobs/submission.py, which imports this module's callers
+
+    if (stage := pipelines.record(job)) is not None:
+        spec["pipeline"] = stage  # the run, the stage, the upstream stages' jobs
     return spec
 
 

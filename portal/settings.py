@@ -450,6 +450,9 @@ HANGAR_JOB_MEMORY_LIMIT_MB = env_int("HANGAR_JOB_MEMORY_LIMIT_MB", 0, minimum=0)
 # after committing a placement, before publishing its task. Never set it in production.
 HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH = env_bool("HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH", False)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
+# One directory per pipeline run (HANGAR_PIPELINE_DIR in every stage, jobs/pipelines.py). On a
+# fleet of several nodes it must be a filesystem every node mounts at the same path.
+HANGAR_PIPELINE_ROOT = Path(env_str("HANGAR_PIPELINE_ROOT", str(DATA_DIR / "pipelines")))
 # Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
 # "hangar-job"). Unset: as the agent's own user (an agent running as root warns).
 # The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run
