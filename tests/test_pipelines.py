@@ -120,7 +120,8 @@ def test_a_stage_the_job_spec_refuses_creates_nothing(owner, project, node, pipe
     too_big = document()
     too_big["stages"]["evaluate"]["gpus_per_node"] = 64  # passes the shape, refused at submit: after two jobs
     response = post(owner, too_big)
-    assert response.status_code == 400 and "the largest node has 4" in fields_of(response)["stages.evaluate.gpus_per_node"]
+    assert response.status_code == 400
+    assert "the largest node has 4" in fields_of(response)["stages.evaluate.gpus_per_node"]
     assert (Job.objects.count(), PipelineRun.objects.count()) == before  # nothing half-created
     assert not pipeline_root.exists() or not any(pipeline_root.iterdir())
 
@@ -169,9 +170,7 @@ def test_cancel_stops_the_running_stage_and_the_blocked_ones(owner, teammate, pr
     assert prepare.attempts.get().cancel_requested_at is not None  # its agent stops it (SIGTERM, grace)
 
 
-def test_run_again_from_a_stage_reuses_the_earlier_stages_and_copies_the_directory(
-    owner, project, node, pipeline_root
-):
+def test_run_again_from_a_stage_reuses_the_earlier_stages_and_copies_the_directory(owner, project, node, pipeline_root):
     earlier = PipelineRun.objects.get(pk=post(owner, document()).json()["id"])
     prepare, train, evaluate = [s.job for s in earlier.ordered_stages()]
     (Path(earlier.directory) / "checkpoint.txt").write_text("weights")
