@@ -224,3 +224,44 @@ def test_a_pipeline_depends_only_on_its_own_jobs(owner, project, node, pipeline_
     make_job(project, owner)
     response = post(owner, document(a={"command": ["x"], "depends_on": [{"job": 1}]}))
     assert response.status_code == 400 and "is set from needs" in fields_of(response)["stages.a.depends_on"]
+
+
+def test_the_run_page_draws_the_dag_links_each_stage_and_cancels_and_reruns(
+    owner, outsider, project, node, pipeline_root, client
+):
+    run = PipelineRun.objects.get(pk=post(owner, document()).json()["id"])
+    prepare, train, evaluate = [s.job for s in run.ordered_stages()]
+    make_attempt(prepare, node, AttemptState.RUNNING).finish(AttemptState.SUCCEEDED, "", "done")
+    client.force_login(owner)
+
+    page = client.get(f"/pipelines/{run.pk}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    for job in (prepare, train, evaluate):
+        assert f'href="/jobs/{job.pk}/"' in html
+    figure = page.context["figure"]
+    markers = figure["data"][0]
+    assert markers["customdata"] == [f"/jobs/{j.pk}/" for j in (prepare, train, evaluate)]
+    assert markers["marker"]["color"] == ["#1b8a4a", "#7b8394", "#7b8394"]  # succeeded green, blocked grey
+    assert markers["x"] == [0, 1, 2] and len(figure["layout"]["annotations"]) == 2  # two needs, two arrows
+    assert "pipeline-status" in client.get(f"/pipelines/{run.pk}/status/").content.decode()
+    assert f"/pipelines/{run.pk}/" in client.get("/pipelines/").content.decode()
+    job_page = client.get(f"/jobs/{train.pk}/").content.decode()
+    assert f'href="/pipelines/{run.pk}/"' in job_page and f'href="/jobs/{prepare.pk}/"' in job_page
+
+    response = client.post(f"/pipelines/{run.pk}/cancel/")
+    assert response.status_code == 302
+    train.refresh_from_db()
+    assert train.state == JobState.CANCELLED
+
+    response = client.post(f"/pipelines/{run.pk}/rerun/", {"from_stage": "train"})
+    again = PipelineRun.objects.exclude(pk=run.pk).get()
+    assert response["Location"] == f"/pipelines/{again.pk}/"
+    assert [s.reused for s in again.ordered_stages()] == [True, False, False]
+
+    client.force_login(outsider)
+    for url in (f"/pipelines/{run.pk}/", f"/pipelines/{run.pk}/status/"):
+        assert client.get(url).status_code == 404
+    assert client.post(f"/pipelines/{run.pk}/cancel/").status_code == 404
+    assert client.post(f"/pipelines/{run.pk}/rerun/").status_code == 404
+    assert PipelineRun.objects.count() == 2

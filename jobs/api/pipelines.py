@@ -14,8 +14,8 @@ from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
 from jobs import pipelines
-from jobs.api.views import AlreadyEnded, IdempotencyConflict, idempotency_key
-from jobs.models import PipelineRun, PipelineStage, pipeline_state
+from jobs.api.views import REASON, AlreadyEnded, IdempotencyConflict, idempotency_key
+from jobs.models import PipelineRun, PipelineStage, PipelineState, pipeline_state
 from portal.inputs import JSONParser
 
 RERUN = inline_serializer(
@@ -105,7 +105,38 @@ def run_json(run: PipelineRun) -> dict:
     }
 
 
-class PipelineRunSerializer(serializers.BaseSerializer):
+class PipelineStageSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    needs = serializers.ListField(child=serializers.CharField(), help_text="The stages it waits for.")
+    reused = serializers.BooleanField(help_text="A rerun's stage not run again: the earlier run's job.")
+    job = serializers.IntegerField()
+    state = serializers.CharField()
+    state_reason = serializers.CharField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+    duration_seconds = serializers.FloatField(allow_null=True)
+    cost = serializers.FloatField()
+    urls = serializers.DictField(child=serializers.CharField())
+
+
+class PipelineRunSerializer(serializers.Serializer):
+    """A pipeline run as the API shows it: what the declared fields say, written out by run_json."""
+
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    project = serializers.CharField()
+    submitted_by = serializers.CharField()
+    state = serializers.ChoiceField(choices=PipelineState.choices)
+    created_at = serializers.DateTimeField()
+    directory = serializers.CharField(help_text="HANGAR_PIPELINE_DIR of its stages.")
+    params = serializers.DictField(child=serializers.CharField())
+    rerun_of = serializers.IntegerField(allow_null=True)
+    from_stage = serializers.CharField()
+    mlflow_run_id = serializers.CharField(help_text="The parent run of its stages' MLflow runs.")
+    stages = PipelineStageSerializer(many=True)
+    cost = serializers.FloatField(help_text="What this run spent (reused stages not counted).")
+    urls = serializers.DictField(child=serializers.CharField())
+
     def to_representation(self, run: PipelineRun) -> dict:
         return run_json(run)
 
@@ -124,7 +155,7 @@ class PipelineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
             runs = runs.filter(project__slug=project)
         return runs.prefetch_related("stages__job__attempts", "stages__job__cost")
 
-    @extend_schema(request=OpenApiTypes.OBJECT, responses={201: OpenApiTypes.OBJECT, 200: OpenApiTypes.OBJECT})
+    @extend_schema(request=OpenApiTypes.OBJECT, responses={201: PipelineRunSerializer, 200: PipelineRunSerializer})
     def create(self, request):
         document = request.data
         key = idempotency_key(request, document) if isinstance(document, dict) else ""
@@ -151,7 +182,7 @@ class PipelineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
             )
         return Response(run_json(run), headers={"Idempotent-Replayed": "true"})
 
-    @extend_schema(request=OpenApiTypes.OBJECT, responses={200: OpenApiTypes.OBJECT, 409: OpenApiTypes.OBJECT})
+    @extend_schema(request=REASON, responses={200: PipelineRunSerializer, 409: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         run = self.get_object()
@@ -164,7 +195,7 @@ class PipelineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         run = self.get_queryset().get(pk=run.pk)
         return Response({**run_json(run), "cancelled_stages": cancelled})
 
-    @extend_schema(request=RERUN, responses={201: OpenApiTypes.OBJECT})
+    @extend_schema(request=RERUN, responses={201: PipelineRunSerializer})
     @action(detail=True, methods=["post"])
     def rerun(self, request, pk=None):
         """Run it again: every stage, or {"from_stage": "evaluate"}: that stage and every stage
