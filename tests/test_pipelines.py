@@ -265,3 +265,33 @@ def test_the_run_page_draws_the_dag_links_each_stage_and_cancels_and_reruns(
     assert client.post(f"/pipelines/{run.pk}/cancel/").status_code == 404
     assert client.post(f"/pipelines/{run.pk}/rerun/").status_code == 404
     assert PipelineRun.objects.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("p.yaml", "project: vision\nstages:\n  a: {command: [x]}\n  a: {command: [y]}\n", "'a' is given twice (line 3)"),
+        ("p.json", '{"project": "vision", "stages": {"a": {}, "a": {}}}', "'a' is given twice"),
+        ("p.yaml", "stages: [a, b", "not valid YAML"),
+        ("p.yaml", "- a\n- b\n", "a pipeline file holds one mapping"),
+    ],
+)  # fmt: skip
+def test_the_cli_refuses_a_pipeline_file_it_cannot_trust(tmp_path, name, text, message):
+    from hangar import cli
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(cli.HangarError, match=message.replace("(", r"\(").replace(")", r"\)")) as raised:
+        cli.load_pipeline_file(str(path))
+    assert raised.value.code == cli.EXIT_USAGE
+
+
+def test_the_cli_reads_a_pipeline_file_and_overrides_its_params(tmp_path):
+    from hangar import cli
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text("project: vision\nparams: {EPOCHS: 3}\nstages:\n  train: {command: [python, train.py]}\n")
+    document = cli.load_pipeline_file(str(path))
+    assert document["stages"] == {"train": {"command": ["python", "train.py"]}} and document["params"] == {"EPOCHS": 3}
+    args = cli.parser().parse_args(["pipeline", "rerun", "7", "--from", "evaluate"])
+    assert (args.func, args.run, args.from_stage) == (cli.cmd_pipeline_rerun, 7, "evaluate")

@@ -2,6 +2,7 @@
 HANGAR_PIPELINE_DIR, a failing stage that cancels the rest, a diamond whose middle stages
 run at once, and a rerun from the last stage that reuses the earlier stages' output."""
 
+import json
 import sys
 import textwrap
 import time
@@ -9,6 +10,7 @@ from datetime import datetime
 
 import pytest
 
+from hangar import cli
 from tests.livestack import UNSANDBOXED, LiveStack
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +33,16 @@ EVALUATE = textwrap.dedent(
     print("score", weight, flush=True)
     """
 )
-SLEEP = "import time; time.sleep(2)"
+DIAMOND = """
+name: diamond
+project: default
+defaults: {{environment: cuda}}
+stages:
+  split: {{command: ["{python}", -c, "print('split')"]}}
+  left: {{needs: [split], command: ["{python}", -c, "import time; time.sleep(2)"]}}
+  right: {{needs: [split], command: ["{python}", -c, "import time; time.sleep(2)"]}}
+  join: {{needs: [left, right], command: ["true"]}}
+"""
 FINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -113,7 +124,7 @@ def httpx_page(stack: LiveStack, path: str) -> str:
         return response.text
 
 
-def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(tmp_path):
+def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(tmp_path, capsys):
     with LiveStack(data_dir=str(tmp_path), env=UNSANDBOXED) as stack:
         failing = submit(
             stack,
@@ -123,15 +134,9 @@ def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(
                 "evaluate": {"needs": ["train"], "command": python(EVALUATE)},
             },
         )
-        diamond = submit(
-            stack,
-            {
-                "split": {"command": python(PREPARE)},
-                "left": {"needs": ["split"], "command": python(SLEEP)},
-                "right": {"needs": ["split"], "command": python(SLEEP)},
-                "join": {"needs": ["left", "right"], "command": ["true"]},
-            },
-        )
+        diamond_file = tmp_path / "diamond.yaml"
+        diamond_file.write_text(DIAMOND.format(python=sys.executable))
+        flags = ["--url", stack.url, "--token", stack.token, "--json"]
         failed = wait_for_run(stack, failing["id"])
         assert failed["state"] == "failed"
         states = {s["name"]: (s["state"], s["state_reason"]) for s in failed["stages"]}
@@ -140,8 +145,12 @@ def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(
         reason = f"cancelled: job {train_job} failed, and this job needed it to succeed"
         assert states["evaluate"] == ("cancelled", reason)
 
-        done = wait_for_run(stack, diamond["id"])
-        assert done["state"] == "succeeded", (done, stack.output())
+        code = cli.main(["pipeline", "run", "-f", str(diamond_file), "--wait", "--timeout", "120", *flags])
+        done = json.loads(capsys.readouterr().out)
+        assert code == 0 and done["state"] == "succeeded", (done, stack.output())
+        assert cli.main(["pipeline", "status", str(done["id"]), *flags[:4]]) == 0
+        assert "join" in capsys.readouterr().out
+        assert cli.main(["pipeline", "cancel", str(done["id"]), *flags]) == 5  # already over: refused, exit 5
         jobs = {s["name"]: s["job"] for s in done["stages"]}
         left, right, join = window(stack, jobs["left"]), window(stack, jobs["right"]), window(stack, jobs["join"])
         assert left[0] < right[1] and right[0] < left[1], (left, right)  # the two middle stages overlapped
