@@ -267,10 +267,13 @@ def test_the_run_page_draws_the_dag_links_each_stage_and_cancels_and_reruns(
     assert PipelineRun.objects.count() == 2
 
 
+TWICE = "project: vision\nstages:\n  a: {command: [x]}\n  a: {command: [y]}\n"
+
+
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("p.yaml", "project: vision\nstages:\n  a: {command: [x]}\n  a: {command: [y]}\n", "'a' is given twice (line 3)"),
+        ("p.yaml", TWICE, "'a' is given twice (line 3)"),
         ("p.json", '{"project": "vision", "stages": {"a": {}, "a": {}}}', "'a' is given twice"),
         ("p.yaml", "stages: [a, b", "not valid YAML"),
         ("p.yaml", "- a\n- b\n", "a pipeline file holds one mapping"),
