@@ -123,9 +123,13 @@ def in_database(fleet: list[dict], queue: list[dict], blocked_jobs: int) -> tupl
 
 def timed_pass_again() -> tuple[float, int]:
     """The same queue again from scratch: the attempts and history of the last pass undone."""
+    from django.utils import timezone
+
+    from fleet.models import Node
     from jobs import scheduler
     from jobs.models import Attempt, Job, JobEvent, JobState
 
+    Node.objects.update(last_heartbeat_at=timezone.now())  # no agents beat here: the nodes stay fresh
     Attempt.objects.all().delete()
     JobEvent.objects.all().delete()
     Job.objects.filter(state=JobState.SCHEDULED).update(state=JobState.QUEUED)

@@ -51,6 +51,7 @@ NOT_A_STAGE_FIELD = {
     "idempotency_key": "is the pipeline's: give idempotency_key once, at the top of the file",
 }
 MAX_STAGES = 100
+SECRET_MASK = "********"
 
 
 @dataclass
@@ -261,15 +262,19 @@ def create_stages(run: PipelineRun, user, stages: list[tuple]) -> list[str]:
     return warnings
 
 
+def masked(fields):
+    if isinstance(fields, dict) and isinstance(fields.get("secret_env"), dict):
+        return {**fields, "secret_env": dict.fromkeys(fields["secret_env"], SECRET_MASK)}
+    return fields
+
+
 def without_secrets(document: dict) -> dict:
-    """The document as kept on the run: secret values replaced by their names' mask."""
-    kept = {**document, "stages": {}}
-    for name, body in (document.get("stages") or {}).items():
-        if isinstance(body, dict) and isinstance(body.get("secret_env"), dict):
-            body = {**body, "secret_env": dict.fromkeys(body["secret_env"], "********")}
-        kept["stages"][name] = body
-    if isinstance(kept.get("defaults"), dict) and isinstance(kept["defaults"].get("secret_env"), dict):
-        kept["defaults"] = {**kept["defaults"], "secret_env": dict.fromkeys(kept["defaults"]["secret_env"], "********")}
+    """The document as kept on the run: secret values replaced by a mask (the jobs keep them, encrypted)."""
+    kept = {**document}
+    if "defaults" in document:
+        kept["defaults"] = masked(document["defaults"])
+    if isinstance(document.get("stages"), dict):
+        kept["stages"] = {name: masked(body) for name, body in document["stages"].items()}
     return kept
 
 

@@ -298,3 +298,15 @@ def test_the_cli_reads_a_pipeline_file_and_overrides_its_params(tmp_path):
     assert document["stages"] == {"train": {"command": ["python", "train.py"]}} and document["params"] == {"EPOCHS": 3}
     args = cli.parser().parse_args(["pipeline", "rerun", "7", "--from", "evaluate"])
     assert (args.func, args.run, args.from_stage) == (cli.cmd_pipeline_rerun, 7, "evaluate")
+
+
+def test_a_stages_secrets_reach_its_job_but_not_the_runs_record(owner, project, node, pipeline_root):
+    body = document()
+    body["stages"]["train"]["secret_env"] = {"WANDB_API_KEY": "s3cret"}
+    run = PipelineRun.objects.get(pk=post(owner, body).json()["id"])
+    train = run.ordered_stages()[1].job
+    assert train.secret_env == {"WANDB_API_KEY": "s3cret"}
+    assert "s3cret" not in str(run.document) and run.document["stages"]["train"]["secret_env"] == {
+        "WANDB_API_KEY": "********"
+    }
+    assert "s3cret" not in api_client(owner).get(f"{URL}{run.pk}/").content.decode()
