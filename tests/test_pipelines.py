@@ -1,6 +1,7 @@
 """Pipelines: stages as ordinary jobs waiting on the jobs of the stages they need, one
 shared directory per run, cancel, run again; bad input refused by stage and field."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ from rest_framework.exceptions import ValidationError
 from jobs import pipelines, reproduce
 from jobs.models import AttemptState, FailureClass, Job, JobState, PipelineRun, PipelineStage, pipeline_state
 from tests.factories import api_client, make_attempt, make_job
+from tests.test_sandbox import as_root, shell
+from tests.test_sandbox import run as run_sandboxed
 
 URL = "/api/v1/pipelines/"
 
@@ -310,3 +313,59 @@ def test_a_stages_secrets_reach_its_job_but_not_the_runs_record(owner, project, 
         "WANDB_API_KEY": "********"
     }
     assert "s3cret" not in api_client(owner).get(f"{URL}{run.pk}/").content.decode()
+
+
+@as_root
+def test_sandboxed_stages_of_their_own_uids_share_the_runs_directory(transactional_db, project, owner, settings):
+    from django.utils import timezone
+
+    from fleet.models import GPU
+    from tests.factories import make_node
+
+    settings.HANGAR_SANDBOX, settings.HANGAR_JOB_UID_RANGE = True, (200000, 299999)
+    settings.HANGAR_PIPELINE_ROOT = settings.DATA_DIR / "pipelines-sandboxed"
+    node = make_node("node-a", gpus=2)
+    GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    stages = {
+        "prepare": {"command": shell('echo 1 2 3 > "$HANGAR_PIPELINE_DIR/data"; id -u')},
+        "train": {
+            "needs": ["prepare"],
+            "command": shell('cat "$HANGAR_PIPELINE_DIR/data"; echo w > "$HANGAR_PIPELINE_DIR/m"'),
+        },
+    }
+    run_ = pipelines.submit_pipeline(owner, {"project": "vision", "stages": stages}).run
+    prepare, train = [s.job for s in run_.ordered_stages()]
+    try:
+        attempt, lines = run_sandboxed(prepare)
+        assert attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
+        train.refresh_from_db()
+        assert train.state == JobState.QUEUED
+        attempt, lines = run_sandboxed(train)
+        assert attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
+        assert "1 2 3" in lines
+        directory = Path(run_.directory)
+        owners = {(directory / name).stat().st_uid for name in ("data", "m")}
+        assert owners == {200000 + prepare.pk, 200000 + train.pk}  # each stage its own uid, one directory
+    finally:
+        shutil.rmtree(settings.HANGAR_PIPELINE_ROOT, ignore_errors=True)
+
+
+def test_sharing_a_runs_files_never_follows_a_link_out_of_it(tmp_path):
+    from agent.sandbox import share_pipeline_files
+
+    outside = tmp_path / "secret"
+    outside.write_text("x")
+    outside.chmod(0o600)
+    run_dir = tmp_path / "run"
+    (run_dir / "sub").mkdir(parents=True)
+    (run_dir / "sub").chmod(0o700)
+    (run_dir / "sub" / "model.ckpt").write_text("w")
+    (run_dir / "sub" / "model.ckpt").chmod(0o4700)
+    (run_dir / "leak").symlink_to(outside)
+    (run_dir / "dirlink").symlink_to(tmp_path)
+
+    share_pipeline_files(run_dir)
+
+    assert (run_dir / "sub").stat().st_mode & 0o7777 == 0o777
+    assert (run_dir / "sub" / "model.ckpt").stat().st_mode & 0o7777 == 0o777  # set-uid dropped, x kept for all
+    assert outside.stat().st_mode & 0o777 == 0o600 and tmp_path.stat().st_mode & 0o777 != 0o777
