@@ -92,7 +92,7 @@ def layers(stages: list[dict]) -> dict[str, tuple[int, int]]:
 def label(stage: dict) -> str:
     took = f"{stage['duration_seconds']:.1f} s" if stage["duration_seconds"] is not None else "not started"
     reused = " (reused)" if stage["reused"] else ""
-    return f"<b>{stage['name']}</b>{reused}<br>{stage['state']} · {took} · ${stage['cost']:.2f}"
+    return f"<b>{stage['name']}</b>{reused}<br>{stage['state']} · {took} · ${stage['cost']:.3f}"
 
 
 def dag_figure(stages: list[dict]) -> dict:
