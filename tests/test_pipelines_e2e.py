@@ -92,10 +92,7 @@ def test_pipelines_run_in_order_share_a_directory_and_rerun_from_a_stage(tmp_pat
         assert evaluate_run.data.metrics["score"] == 2.5
         assert evaluate_run.data.tags["mlflow.parentRunId"] == first["mlflow_run_id"]
         assert evaluate_run.data.tags["hangar.pipeline_stage"] == "evaluate"
-        deadline = time.monotonic() + 30
-        while client.get_run(first["mlflow_run_id"]).info.status != "FINISHED" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
+        parent_status(tmp_path, first["mlflow_run_id"], "FINISHED")
 
         rerun = stack.api("POST", f"/api/v1/pipelines/{first['id']}/rerun/", json={"from_stage": "evaluate"})
         assert rerun.status_code == 201, rerun.text
@@ -110,6 +107,16 @@ def test_pipelines_run_in_order_share_a_directory_and_rerun_from_a_stage(tmp_pat
 
         page = httpx_page(stack, again["urls"]["page"])
         assert f'href="/jobs/{new_evaluate["id"]}/"' in page and "reused" in page
+
+
+def parent_status(data_dir, run_id: str, status: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{data_dir}/mlflow.db")
+    deadline = time.monotonic() + 30
+    while client.get_run(run_id).info.status != status and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.get_run(run_id).info.status == status
 
 
 def httpx_page(stack: LiveStack, path: str) -> str:
@@ -144,6 +151,7 @@ def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(
         assert states["train"][0] == "failed"
         reason = f"cancelled: job {train_job} failed, and this job needed it to succeed"
         assert states["evaluate"] == ("cancelled", reason)
+        parent_status(tmp_path, failed["mlflow_run_id"], "FAILED")  # the pipeline's MLflow run ends as it did
 
         code = cli.main(["pipeline", "run", "-f", str(diamond_file), "--wait", "--timeout", "120", *flags])
         done = json.loads(capsys.readouterr().out)
@@ -151,6 +159,17 @@ def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(
         assert cli.main(["pipeline", "status", str(done["id"]), *flags[:4]]) == 0
         assert "join" in capsys.readouterr().out
         assert cli.main(["pipeline", "cancel", str(done["id"]), *flags]) == 5  # already over: refused, exit 5
+        capsys.readouterr()
+
+        long = submit(stack, {"slow": {"command": python("import time; time.sleep(60)")},
+                              "after": {"needs": ["slow"], "command": ["true"]}})  # fmt: skip
+        slow_job = long["stages"][0]["job"]
+        stack.wait_for(slow_job, ("running",))
+        assert cli.main(["pipeline", "cancel", str(long["id"]), "--reason", "enough", *flags]) == 0
+        assert json.loads(capsys.readouterr().out)["cancelled_stages"] == ["slow", "after"]
+        stopped = wait_for_run(stack, long["id"], timeout=30)  # SIGTERM reached the running stage
+        assert stopped["state"] == "cancelled"
+        assert [(s["state"], s["state_reason"]) for s in stopped["stages"]][1] == ("cancelled", "enough")
         jobs = {s["name"]: s["job"] for s in done["stages"]}
         left, right, join = window(stack, jobs["left"]), window(stack, jobs["right"]), window(stack, jobs["join"])
         assert left[0] < right[1] and right[0] < left[1], (left, right)  # the two middle stages overlapped
