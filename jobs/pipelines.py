@@ -205,7 +205,7 @@ def downstream(stages: list[Stage] | list[PipelineStage], start: str) -> set[str
     return found
 
 
-def checked_spec(user, stage: str, spec: dict) -> dict:
+def checked_spec(stage: str, spec: dict) -> dict:
     """A stage's spec as JobSubmitSerializer checks a job's; its errors named `stages.<stage>.<field>`."""
     from jobs.api.serializers import JobSubmitSerializer
 
@@ -230,7 +230,7 @@ def submit_pipeline(user, document) -> Submitted:
     specs, errors = {}, {}
     for stage in planned.stages:
         try:
-            specs[stage.name] = checked_spec(user, stage.name, {**stage.spec, "project": planned.project})
+            specs[stage.name] = checked_spec(stage.name, {**stage.spec, "project": planned.project})
         except ValidationError as exc:
             errors.update(exc.detail["stages"])
     if errors:
@@ -315,7 +315,7 @@ def rerun(user, earlier: PipelineRun, from_stage: str = "", given_secrets=None) 
     for stage in stages:
         if stage.name in again:
             data = jobspec.copy_for(stage.job, reproduce.clone_data(stage.job), user, given_secrets)
-            specs[stage.name] = checked_spec(user, stage.name, data)
+            specs[stage.name] = checked_spec(stage.name, data)
     with transaction.atomic():
         run = PipelineRun.objects.create(
             project=earlier.project, submitted_by=user, name=earlier.name, params=earlier.params,
