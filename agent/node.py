@@ -46,6 +46,9 @@ class Agent:
         self.next_compact = 0.0
         # (mode, reason) the agent command found at start: shown as a badge on the node and fleet pages.
         self.isolation: tuple[str, str] = ("none", "")
+        # Where the other nodes reach this one (agent/network.py); the command sets them.
+        self.address = ""
+        self.network_interface = ""
 
     def register(self, accept_inventory: bool = False) -> Node:
         """Create or update this node and its GPUs from the provider's inventory.
@@ -66,6 +69,8 @@ class Agent:
                 name=self.name,
                 defaults={
                     "hostname": socket.gethostname(),
+                    "address": self.address,
+                    "network_interface": self.network_interface,
                     "gpu_model": model,
                     "gpu_count": len(inventory) + len(vanished),
                     "simulated": self.provider.simulated,

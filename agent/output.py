@@ -182,6 +182,8 @@ class LogWriter(threading.Thread):
         # ended: a rank partitioned while its attempt was ended elsewhere (its lease expired).
         self.cut_off_at = self.back_at = None
         self.late_lines = 0
+        self.ended_seen_at = None  # when a write first found the attempt ended
+        self.unreachable = False  # a write failed: the database could not be reached
         self.batches = 0
         self.stored = 0
         self.parsed: queue.Queue = queue.Queue(maxsize=1)  # parser -> storer; None ends
@@ -346,6 +348,7 @@ class LogWriter(threading.Thread):
         except DatabaseError as exc:
             log.warning("attempt %s: %d log lines spooled to disk: %s", self.attempt.pk, len(rows), exc)
             self.cut_off_at = self.cut_off_at or timezone.now()
+            self.unreachable = True
             self.spool.append(rows)
             self.backoff()
 
@@ -378,16 +381,23 @@ class LogWriter(threading.Thread):
         self.retry_at = time.monotonic() + self.retry_delay
 
     def write(self, rows: list[NewLine], spooled: bool = False) -> None:
-        """Store a batch. A live batch of an attempt that is no longer current is refused (the
-        fence); a spooled one, printed while this rank could not reach the database, is stored
-        into its attempt even though it ended meanwhile (as a dead agent's spools are)."""
+        """Store a batch. Into an attempt that is no longer current, only what the rank printed
+        before it could know: a spooled batch (printed while it could not reach the database), or
+        lines printed before the first refusal (a write that hung through a partition, then found
+        the attempt ended). Those are stored late into their attempt, as a dead agent's spools
+        are; what the rank prints after it was told is refused (the fence) while it is stopped."""
         try:
             self.seq = store_lines(self.attempt.pk, rows)
         except AttemptNotCurrent:
-            if not spooled or not self.store_late(rows):
+            self.ended_seen_at = self.ended_seen_at or timezone.now()
+            before = rows if spooled else [r for r in rows if r.ts <= self.ended_seen_at]
+            if not before or not self.store_late(before):
                 log.warning("attempt %s is no longer current: its log lines are refused", self.attempt.pk)
                 self.refused = True
                 self.spool.discard()
+                return
+            if len(before) < len(rows):
+                self.refused = True  # the rest came after the refusal
                 return
         self.batches += 1
         self.stored += len(rows)
@@ -399,16 +409,23 @@ class LogWriter(threading.Thread):
         except AttemptNotCurrent:  # not even an ended attempt: it was deleted
             return False
         self.late_lines += len(rows)
+        self.cut_off_at = self.cut_off_at or rows[0].ts  # a write that hung: from its first line
         self.back_at = self.back_at or timezone.now()
         return True
 
     def note_late_lines(self) -> None:
         """A line of the attempt's own saying which lines came late, and why (after the parser ended)."""
         since = f" from {self.cut_off_at:%H:%M:%S} to {self.back_at:%H:%M:%S} UTC" if self.cut_off_at else ""
-        text = (
-            f"[hangar] rank {self.rank} could not reach the database{since} and its attempt ended meanwhile; "
-            f"the {self.late_lines} lines it printed while cut off are stored late, after the attempt's end"
-        )
+        if self.unreachable:
+            text = (
+                f"[hangar] rank {self.rank} could not reach the database{since} and its attempt ended meanwhile; "
+                f"the {self.late_lines} lines it printed while cut off are stored late, after the attempt's end"
+            )
+        else:
+            text = (
+                f"[hangar] rank {self.rank}'s attempt ended elsewhere before its last {self.late_lines} lines "
+                f"(printed{since}) were stored: they are stored late, after the attempt's end"
+            )
         self.read += 1
         note = NewLine(
             self.attempt.job_id, self.attempt.pk, self.node_id, self.rank, Stream.SYSTEM, Severity.WARNING,

@@ -7,9 +7,11 @@ from collections.abc import Callable
 
 from django.conf import settings
 
-from agent import running
+from agent import network, running
 from fleet.models import Node
 from fleet.preflight import Context, Result, record, run_checks, stored_context
+from fleet.rendezvous import OWN_HOST, RANK_ZERO_UNRESOLVED, UNREACHABLE, Failure, blame
+from portal.multihost import is_loopback
 
 
 def rendezvous_reachable(host: str, port: int, timeout: float = 2.0) -> tuple[bool, str]:
@@ -39,22 +41,64 @@ def rendezvous_seconds() -> float:
 
 
 def run_rendezvous(attempt, rank: int, world_size: int, master_addr: str, port: int, still_current) -> list[str]:
-    """Record the rendezvous check of one rank; a rank that cannot reach rank 0 cordons its own
-    node (the preflight rule) and fails the attempt (infra). Returns what failed."""
+    """Record the rendezvous check of one rank. A rank that cannot reach rank 0 makes the node the
+    evidence points at a suspect (fleet/rendezvous.py) and fails the attempt (infra). Returns what failed."""
     start = time.perf_counter()
     still_current = at_most_every(still_current, 0.5)  # each look renews the lease: a write
-    if rank == 0:
+    failure = own_host_problem(attempt.node.network_interface, master_addr) if world_size > 1 else None
+    if failure is None and rank != 0:
+        failure = unresolved(master_addr, port)
+    if failure is not None:
+        passed, evidence = False, failure.evidence
+    elif rank == 0:
         passed, evidence = listen_for_ranks(attempt.pk, port, world_size - 1, still_current)
     else:
         passed, evidence = reach_rank_zero(attempt.pk, rank, master_addr, port, still_current)
+        failure = None if passed else Failure(UNREACHABLE, evidence)
     result = Result("rendezvous", passed, evidence, (time.perf_counter() - start) * 1000)
     record(attempt.node, [result], "preflight", attempt)
     if passed:
         return []
-    if rank != 0 and still_current():
-        evidence_dict = {"attempt": attempt.pk, "rank": rank, "failed_checks": {"rendezvous": evidence}}
-        attempt.node.auto_cordon(f"preflight failed: rendezvous: {evidence}", evidence_dict)
+    if failure is not None and still_current():
+        rank_zero = Node.objects.get(pk=attempt.ranks[0]["node_id"])
+        suspect, _ = blame(attempt, rank, attempt.node, rank_zero, failure)
+        evidence = f"{evidence} (suspect: node {suspect.name})"
     return [f"rendezvous: {evidence}"]
+
+
+def own_host_problem(interface: str, master_addr: str) -> Failure | None:
+    """What gloo and NCCL will meet on this host: the interface they are told to use has an address;
+    with none named, this host's name resolves to a routable address (else they fall back to
+    loopback, and a rank on another host cannot reach this one)."""
+    if interface:
+        if interface in network.interface_addresses():
+            return None
+        return Failure(OWN_HOST, f"interface {interface} (GLOO/NCCL_SOCKET_IFNAME) has no IPv4 address here")
+    if is_loopback(master_addr):
+        return None  # every rank on this host: loopback is right
+    name = socket.gethostname()
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError as exc:
+        addresses, error = set(), f"does not resolve ({exc})"
+    else:
+        error = "resolves only to loopback " + ", ".join(sorted(addresses))
+    if addresses and not all(is_loopback(a) for a in addresses):
+        return None
+    return Failure(
+        OWN_HOST,
+        f"this host's name {name} {error}: gloo and NCCL would fall back to loopback; "
+        "advertise this node's address (--advertise-address) or name its interface (HANGAR_NODE_NETWORK_INTERFACE)",
+    )
+
+
+def unresolved(master_addr: str, port: int) -> Failure | None:
+    """Rank 0's advertised address does not resolve here."""
+    try:
+        socket.getaddrinfo(master_addr, port, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        return Failure(RANK_ZERO_UNRESOLVED, f"rank 0's address {master_addr} does not resolve here: {exc}")
+    return None
 
 
 def at_most_every(check: Callable[[], bool], seconds: float) -> Callable[[], bool]:

@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import resource
+import select
 import signal
 import subprocess
 import threading
@@ -28,7 +29,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import environments, running, sandbox, watch
+from agent import environments, network, running, sandbox, snapshots, watch
 from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
@@ -131,6 +132,7 @@ class Runner:
         self.keeping_lease: threading.Event | None = None
         self.stop_requested: Outcome | None = None
         self.current = True
+        self.tracking: InBackground | None = None
 
     @property
     def world_size(self) -> int:
@@ -152,6 +154,8 @@ class Runner:
                 self.writer.close()
             self.stop_keeping_lease()
             self.stop_reaper()
+            if self.job.code:
+                snapshots.remove_copy(self.workdir())  # its process group is gone (terminate, exited)
 
     def run_rank(self) -> None:
         self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds
@@ -198,6 +202,8 @@ class Runner:
                 AttemptState.LOST, FailureClass.INFRA, "the attempt ended while it waited for its GPUs"
             )
             return outcome, None
+        # The job's MLflow run (tens of ms of store round trips) is made while the checks run.
+        self.tracking = InBackground(lambda: tracking.job_env(self.job, self.attempt), "mlflow-run")
         failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
         if not failures and self.world_size > 1:
             failures = self.rendezvous()
@@ -207,8 +213,16 @@ class Runner:
             reason = "preflight failed: " + "; ".join(failures)
             self.system(reason, error=True)
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
+        if behind := self.checkpoint_left_behind():
+            self.system(behind)
+        if (unpacked := self.prepare_code()) is not None:
+            return unpacked, None
         try:
             self.proc = self.start_process()
+        except secret_env.SecretUnreadable as exc:  # this node's keys, not the job: infra
+            reason = f"could not start the job: {exc}"
+            self.system(reason, error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         except OSError as exc:
             reason = f"could not start {self.job.command[0]!r}: {exc.strerror or exc}"
             self.system(reason, error=True)
@@ -218,6 +232,28 @@ class Runner:
         if not self.attempt.mark_running(self.proc.pid):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
         return self.watch()
+
+    def checkpoint_left_behind(self) -> str:
+        """When checkpoints are per host and this rank's previous attempt ran on another node:
+        its checkpoint directory stayed there, and this attempt starts without it."""
+        if settings.HANGAR_CHECKPOINT_ROOT or self.attempt.number <= 1:
+            return ""
+        before = (
+            Attempt.objects.filter(job_id=self.job.pk, number__lt=self.attempt.number, running_at__isnull=False)
+            .order_by("-number")
+            .first()
+        )
+        if before is None or self.rank >= len(before.ranks):
+            return ""
+        node_id = before.ranks[self.rank]["node_id"]
+        if node_id == self.node.pk:
+            return ""
+        where = Node.objects.filter(pk=node_id).values_list("name", flat=True).first() or f"node {node_id}"
+        return (
+            f"attempt {before.number} ran rank {self.rank} on {where}; its checkpoint directory stayed there "
+            f"(HANGAR_CHECKPOINT_ROOT is not set to storage the nodes share), so this attempt on {self.node.name} "
+            "starts without it"
+        )
 
     def rendezvous(self) -> list[str]:
         """Multi-node preflight: this rank and rank 0 reach each other on the job's MASTER_PORT."""
@@ -271,7 +307,10 @@ class Runner:
         job, attempt = self.job, self.attempt
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
-        env.update(tracking.job_env(job, attempt))  # MLFLOW_*; the job's own env may override them
+        # MLFLOW_*; the job's own env may override them. Begun during the preflight when there was one.
+        env.update(self.tracking.result() if self.tracking is not None else tracking.job_env(job, attempt))
+        if self.world_size > 1:  # the interface this node's ranks use; the job's own env may override it
+            env.update(network.rank_network_env(self.node.network_interface))
         env.update({str(k): str(v) for k, v in job.env.items()})
         env.update(secret_env.process_env(job.secret_env))  # refuses a secret it cannot decrypt
         env.update({volume_env_name(v["name"]): v["path"] for v in job.volumes})
@@ -290,10 +329,32 @@ class Runner:
     def master_addr(self) -> str:
         if self.world_size == 1:
             return "127.0.0.1"
-        return self.master.hostname or self.master.name
+        return self.master.address or self.master.hostname or self.master.name
 
     def workdir(self) -> Path:
-        return settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
+        """The job's directory; with a code snapshot, each rank of each attempt has its own
+        copy of the code in it (next to the checkpoint directory they share)."""
+        jobdir = settings.HANGAR_JOB_WORKDIR / str(self.job.pk)
+        return jobdir / f"code-{self.attempt.number}-{self.rank}" if self.job.code else jobdir
+
+    def prepare_code(self) -> Outcome | None:
+        """A job submitted with --code runs in a fresh copy of its snapshot (agent/snapshots.py);
+        the Outcome when that cannot be made: the snapshot gone (the user's to send again) or
+        this node unable to unpack it (infra: another node may)."""
+        if not self.job.code:
+            return None
+        sha = self.job.code["snapshot"]
+        try:
+            snapshots.fresh_copy(self.job, self.workdir())
+        except snapshots.CodeUnavailable as exc:
+            self.system(str(exc), error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.USER, str(exc))
+        except OSError as exc:
+            reason = f"could not unpack code snapshot {sha[:12]} on node {self.node.name}: {exc}"
+            self.system(reason, error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason)
+        self.system(f"running in a fresh copy of code snapshot {sha[:12]}")
+        return None
 
     def start_process(self) -> subprocess.Popen:
         container = environments.is_container(self.job)
@@ -348,7 +409,7 @@ class Runner:
                     self.current = False
             if self.stop_requested is not None or not self.current:
                 return self.terminate()
-            time.sleep(WATCH_SECONDS)
+            wait_for_exit(self.proc, WATCH_SECONDS)
         code = self.proc.returncode
         return self.exited(code if self.launch is None else self.launch.returncode(code))
 
@@ -537,6 +598,50 @@ def rank_env(attempt: Attempt, rank: int, master_addr: str) -> dict[str, str]:
         "PET_MASTER_PORT": port,
         "PET_NPROC_PER_NODE": nproc,
     }
+
+
+class InBackground:
+    """A call run on a thread of its own (with its own database connection, closed after),
+    while the caller goes on; `result()` waits for it."""
+
+    def __init__(self, call: Callable[[], dict], name: str):
+        self.done = threading.Event()
+        self.value: dict = {}
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(call,), name=name, daemon=True).start()
+
+    def _run(self, call: Callable[[], dict]) -> None:
+        try:
+            self.value = call()
+        except BaseException as exc:  # raised to the caller by result()
+            self.error = exc
+        finally:
+            connection.close()
+            self.done.set()
+
+    def result(self) -> dict:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def wait_for_exit(proc: subprocess.Popen, timeout: float) -> None:
+    """Up to `timeout` seconds, returning as soon as the process exits: the next job on its GPUs
+    waits for this (a sleep between polls would add up to its length to every hand-off). A
+    pidfd (Linux 5.3+) becomes readable at the exit; elsewhere Popen.wait polls."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfds here, or the process is gone already
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
 
 
 def signal_group(pgid: int, sig: int) -> None:

@@ -22,6 +22,7 @@ class Kind:
     NCCL = "nccl"
     HEARTBEAT = "heartbeat"
     PREFLIGHT = "preflight"
+    RENDEZVOUS = "rendezvous"
 
 
 class Source:
@@ -29,6 +30,7 @@ class Source:
 
     TELEMETRY = "telemetry"
     OUTPUT = "output"
+    PREFLIGHT = "preflight"  # Hangar's own checks before a job's command runs (the rendezvous)
 
 
 class Action:

@@ -38,6 +38,14 @@ class NodeQuerySet(models.QuerySet):
 class Node(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     hostname = models.CharField(max_length=255, blank=True)
+    # What other nodes reach this one at (MASTER_ADDR when it runs rank 0): `manage.py agent
+    # --advertise-address`, else the address of the interface that reaches the database.
+    address = models.CharField(max_length=255, blank=True, help_text="The address other nodes reach this one at.")
+    network_interface = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The interface its ranks' gloo/NCCL traffic uses.",
+    )
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.READY)
     gpu_model = models.CharField(max_length=64)
     gpu_count = models.PositiveSmallIntegerField()

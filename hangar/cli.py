@@ -183,6 +183,8 @@ def cmd_submit(args) -> int:
                 f"--project is required: you can submit to {', '.join(projects) or 'no project'}", EXIT_USAGE
             )
         spec["project"] = projects[0]
+    if args.code:
+        spec["code"] = upload_code(api, args, spec["project"])
     headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
     job = api.post("/api/v1/jobs/", spec, headers=headers)
     if args.follow:
@@ -197,6 +199,48 @@ def cmd_submit(args) -> int:
     return EXIT_OK
 
 
+def upload_code(api: Client, args, project: str) -> dict:
+    """Pack --code DIR and make sure the project has it (asked first: an unchanged tree uploads
+    nothing); the job spec's `code` field."""
+    from hangar import snapshots
+
+    limit = args.code_limit or os.environ.get("HANGAR_CODE_LIMIT_MB") or snapshots.DEFAULT_LIMIT_MB
+    try:
+        packed = snapshots.pack(args.code, float(limit))
+    except ValueError:
+        raise HangarError(f"HANGAR_CODE_LIMIT_MB={limit!r}: give a number of MB, e.g. 200", EXIT_USAGE)
+    except snapshots.SnapshotError as exc:
+        raise HangarError(str(exc), EXIT_USAGE)
+    _, uploaded = api.ensure_snapshot(project, packed.sha256, packed.data)
+    sent = f"uploaded {snapshots.mb(len(packed.data))}" if uploaded else "unchanged, nothing uploaded"
+    print(
+        f"code: {packed.files} files ({snapshots.mb(packed.size)}) from {args.code}, "
+        f"snapshot {packed.sha256[:12]}: {sent}",
+        file=sys.stderr,
+    )
+    for skipped in packed.skipped[:5]:
+        print(f"code: left out {skipped}", file=sys.stderr)
+    return packed.code_field()
+
+
+def cmd_code(args) -> int:
+    """Download a job's code snapshot: unpacked into -o DIR, or saved as is to -o FILE.tar.gz."""
+    from hangar import snapshots
+
+    data = api_from(args).code(args.job)
+    out = Path(args.output or f"job-{args.job}-code")
+    if out.name.endswith((".tar.gz", ".tgz")):
+        out.write_bytes(data)
+        human = f"job {args.job}'s code snapshot saved to {out} ({snapshots.mb(len(data))})"
+    else:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise HangarError(f"-o {out}: exists and is not an empty directory; give a new one", EXIT_USAGE)
+        members = snapshots.unpack(data, out)
+        human = f"job {args.job}'s code: {members} files in {out}"
+    emit(args, {"job": args.job, "path": str(out), "bytes": len(data)}, human)
+    return EXIT_OK
+
+
 def describe(job: dict) -> str:
     head = [
         f"job {job['id']} {job['name']} [{job['project']}] by {job['submitted_by']}",
@@ -205,12 +249,20 @@ def describe(job: dict) -> str:
         f"  gpus:     {job['gpus_per_node']} x {job['nodes']} node(s) {job.get('gpu_type') or 'any type'}, "
         f"priority {job['priority']}",
     ]
+    if code := job.get("code"):
+        head.append(f"  code:     snapshot {code['snapshot'][:12]}{git_text(code)}")
     if job.get("exit_code") is not None:
         head.append(f"  exit:     {job['exit_code']} ({job.get('failure_class') or 'ok'})")
     head += describe_diagnosis(job)
     attempts = [{**a, "placement": placement_text(a)} for a in job.get("attempts", [])]
     columns = ["number", "state", "placement", "started_at", "finished_at", "exit_code", "failure_class"]
     return "\n".join(head) + ("\n\n" + table(attempts, columns) if attempts else "")
+
+
+def git_text(code: dict) -> str:
+    if not code.get("commit"):
+        return ""
+    return f" (git {code.get('branch') or 'detached'} @ {code['commit'][:12]}{', dirty' if code.get('dirty') else ''})"
 
 
 def placement_text(attempt: dict) -> str:
@@ -629,6 +681,17 @@ def parser() -> argparse.ArgumentParser:
         metavar="JOB[:finished]",
         help="start only after that job succeeded (or, with :finished, ended in any way); repeatable",
     )
+    p.add_argument(
+        "--code",
+        metavar="DIR",
+        help="run in a fresh copy of DIR (honours .gitignore and .hangarignore; uploaded only when changed)",
+    )
+    p.add_argument(
+        "--code-limit",
+        type=float,
+        metavar="MB",
+        help="refuse a --code DIR whose files exceed this (default: HANGAR_CODE_LIMIT_MB, else 100)",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the end; exit with the job's outcome")
     p.add_argument("--follow", action="store_true", help="stream its logs until the end; exit with its outcome")
     p.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
@@ -664,6 +727,10 @@ def parser() -> argparse.ArgumentParser:
 
     p = command("resubmit", cmd_resubmit, "submit a job again as a new job")
     p.add_argument("job", type=int)
+
+    p = command("code", cmd_code, "download the code snapshot a job ran (submit --code)")
+    p.add_argument("job", type=int)
+    p.add_argument("-o", "--output", metavar="DIR", help="unpack into DIR (default job-ID-code), or save FILE.tar.gz")
 
     p = command("queue", cmd_queue, "queued jobs, their position and why they wait")
     p.add_argument("-p", "--project")

@@ -153,6 +153,48 @@ class Client:
             delay = min(delay * 1.5, 2.0)
         return run
 
+    # --- code snapshots (hangar/snapshots.py packs them) ---------------------------------
+
+    def snapshot(self, project: str, sha256: str) -> dict | None:
+        """The project's snapshot `sha256`, or None when it has none (then upload it)."""
+        try:
+            return self.get(f"/api/v1/projects/{project}/snapshots/{sha256}/")
+        except HangarError as exc:
+            if exc.body.get("code") == "not_found" and "has no snapshot" in exc.body.get("message", ""):
+                return None
+            raise
+
+    def upload_snapshot(self, project: str, sha256: str, data: bytes) -> dict:
+        return self.request(
+            "PUT",
+            f"/api/v1/projects/{project}/snapshots/{sha256}/",
+            content=data,
+            headers={"Content-Type": "application/gzip"},
+            timeout=httpx.Timeout(30, write=600),
+        )
+
+    def ensure_snapshot(self, project: str, sha256: str, data: bytes) -> tuple[dict, bool]:
+        """One round trip when the project has it already; else the upload too. (info, uploaded)."""
+        found = self.snapshot(project, sha256)
+        if found is not None:
+            return found, False
+        return self.upload_snapshot(project, sha256, data), True
+
+    def code(self, job_id: int) -> bytes:
+        """The tar.gz of job `job_id`'s code snapshot, its sha256 checked."""
+        import hashlib
+
+        try:
+            response = self.http.get(f"/api/v1/jobs/{job_id}/code/", timeout=httpx.Timeout(30, read=600))
+        except httpx.HTTPError as exc:
+            raise HangarError(f"cannot reach Hangar at {self.url}: {exc}; check --url or HANGAR_URL", EXIT_UNREACHABLE)
+        if response.status_code >= 400:
+            raise api_error(response)
+        expected = response.headers.get("X-Snapshot-Sha256", "")
+        if expected and hashlib.sha256(response.content).hexdigest() != expected:
+            raise HangarError(f"job {job_id}'s code arrived damaged (sha256 mismatch); try again", EXIT_UNREACHABLE)
+        return response.content
+
     def priorities(self) -> list[dict]:
         """The server's priority classes, highest first."""
         return self.get("/api/v1/priorities/")

@@ -12,7 +12,9 @@ from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptState, FailureCla
 @receiver(signals.node_offline)
 def lose_attempts(sender, node: Node, reason: str, **kwargs) -> None:
     """What ran on a node that went offline is lost (infra): its jobs are requeued."""
-    for attempt in Attempt.objects.filter(node=node, state__in=ACTIVE_ATTEMPT_STATES):
+    live = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES)
+    # Any rank's node: a gang with one rank on a silent host cannot go on (its other ranks would wait).
+    for attempt in [*live.filter(node=node), *other_rank_on(live, node)]:
         attempt.finish(AttemptState.LOST, FailureClass.INFRA, f"node {node.name} went offline: {reason}")
 
 
@@ -28,13 +30,17 @@ def attempts_on(node: Node, user, limit: int = 20) -> list:
     read, the rest have no other rank)."""
     visible = Attempt.objects.filter(job__in=Job.objects.visible_to(user)).select_related("job")
     as_rank_zero = visible.filter(node=node).order_by("-scheduled_at")[:limit]
-    as_other_rank = (
-        visible.filter(job__nodes__gt=1)
+    as_other_rank = other_rank_on(visible, node).order_by("-scheduled_at")[:limit]
+    both = [*as_rank_zero, *as_other_rank]
+    return sorted(both, key=lambda a: a.scheduled_at, reverse=True)[:limit]
+
+
+def other_rank_on(attempts, node: Node):
+    """Those of `attempts` with a rank other than rank 0 on `node`."""
+    return (
+        attempts.filter(job__nodes__gt=1)
         .exclude(node=node)
         .exclude(placement=[])
         .annotate(placement_text=Cast("placement", TextField()))
         .filter(placement_text__regex=rf'"node_id": {node.pk}[,}}]')
-        .order_by("-scheduled_at")[:limit]
     )
-    both = [*as_rank_zero, *as_other_rank]
-    return sorted(both, key=lambda a: a.scheduled_at, reverse=True)[:limit]

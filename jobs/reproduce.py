@@ -47,11 +47,20 @@ def record(job) -> dict:
         for a in job.attempts.select_related("node")
     ]
     spec["mlflow_run_id"] = job.mlflow_run_id
+    spec["code"] = code_record(job)
     from jobs import pipelines  # it submits through jobs/submission.py, which imports this module's callers
 
     if (stage := pipelines.record(job)) is not None:
         spec["pipeline"] = stage  # the run, the stage, the upstream stages' jobs
     return spec
+
+
+def code_record(job) -> dict | None:
+    """Its code snapshot and git facts (None: submitted without code); `available` is
+    False once retention deleted the snapshot."""
+    if not job.code:
+        return None
+    return {**job.code, "available": job.snapshot_id is not None, "diff": job.code_diff}
 
 
 def clone_data(job) -> dict:
@@ -65,8 +74,17 @@ def clone_data(job) -> dict:
         preemptible=job.preemptible,
         max_retries=job.max_retries,
         stop_on_hang=job.stop_on_hang,
+        code=clone_code(job),
     )
     return {k: v for k, v in data.items() if v not in ("", None)}
+
+
+def clone_code(job) -> dict | None:
+    """The same snapshot, commit, branch and diff again (a submit field: jobs/api/serializers.py)."""
+    if not job.code:
+        return None
+    names = ("snapshot", "commit", "branch", "dirty", "diff_truncated")
+    return {**{k: job.code[k] for k in names if k in job.code}, "diff": job.code_diff}
 
 
 def diff(a: dict, b: dict, fields: list[str]) -> list[dict]:

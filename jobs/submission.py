@@ -4,10 +4,11 @@
 JobSubmitSerializer: types, ranges, argv, variable names) and decides whether this
 user may run it here: the project and the user's role in it, the environment, whether
 any node is large enough, the volumes and the modes the role grants, the priority class
-and who may use it, the project's per-job GPU limit and its budget. Then it creates the
-job and its first event, and wakes the scheduler after commit. The API, the HTML form,
-resubmit and run-again all come through here, so all refuse the same things the same
-way: a ValidationError whose keys name the field and whose message says what to change.
+and who may use it, the code snapshot it names (the project's own), the project's per-job
+GPU limit and its budget. Then it creates the job and its first event, and wakes the
+scheduler after commit. The API, the HTML form, resubmit and run-again all come through
+here, so all refuse the same things the same way: a ValidationError whose keys name the
+field and whose message says what to change.
 """
 
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from django.conf import settings
 from django.db import transaction
 from rest_framework.exceptions import ValidationError
 
-from jobs import dependencies, jobspec
+from jobs import dependencies, jobspec, snapshots
 from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
 from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
@@ -42,6 +43,7 @@ def submit_job(user, spec: dict, copy_of: Job | None = None) -> Submitted:
         "priority": checked_priority(user, project, spec.get("priority") or ""),
         "depends_on": checked_dependencies(user, project, spec.get("depends_on") or []),
     }
+    checked["snapshot"], checked["code"], checked["code_diff"] = snapshots.for_submit(project, spec.get("code"))
     check_capacity(spec["gpus_per_node"], spec["nodes"], spec.get("gpu_type", ""))
     jobspec.check(checked, user, copy_of)  # container PATH and image, volume paths, network, copied secrets
     check_gpu_limit(project, spec["gpus_per_node"] * spec["nodes"])
@@ -182,11 +184,16 @@ def create(user, checked: dict) -> Job:
             stop_on_hang=checked.get("stop_on_hang", False),
             environment=checked["environment"],
             max_runtime_seconds=checked.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
-            code_version=checked.get("code_version", ""),
+            code_version=checked.get("code_version") or snapshots.version_of(checked["code"]),
+            snapshot=checked["snapshot"],
+            code=checked["code"],
+            code_diff=checked["code_diff"],
             config=checked.get("config") or {},
             data_refs=checked.get("data_refs", []),
         )
         JobEvent.objects.create(job=job, kind="submitted", message=f"by {job.submitted_by}")
+        if job.snapshot is not None:
+            job.snapshot.touch()  # retention counts from the last job that named it
         if job.state == JobState.BLOCKED:
             # A job it depends on may end between the look above and this commit: look again after.
             transaction.on_commit(lambda: dependencies.settle(job))

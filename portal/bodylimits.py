@@ -8,19 +8,32 @@ and answers 413 without reading on; BodyLimitMiddleware applies the same rule to
 request that reaches Django another way (another server, the test client).
 
 A request with no credentials at all (no Authorization header, no session cookie) gets
-the smaller anonymous limit: the login form and nothing else is posted anonymously.
+the smaller anonymous limit: the login form and nothing else is posted anonymously. A
+signed-in upload of a code snapshot (PUT /api/v1/projects/<slug>/snapshots/<sha256>/) gets
+the snapshot limit instead (HANGAR_SNAPSHOT_MAX_MB, jobs/snapshots.py checks it exactly).
 """
 
+import re
 from collections.abc import Mapping
 
 from django.conf import settings
 from django.http import JsonResponse
 
+UPLOAD_PATH = re.compile(r"^/api/v1/projects/[-\w]+/snapshots/[0-9a-f]{64}/$")
+TAR_OVERHEAD = 1.1  # an upload may exceed its files' bytes by tar headers and padding
 
-def limit_for(authorization: str, cookie: str) -> int:
+
+def limit_for(authorization: str, cookie: str, method: str = "", path: str = "") -> int:
     if authorization or f"{settings.SESSION_COOKIE_NAME}=" in cookie:
+        if method == "PUT" and UPLOAD_PATH.match(path):
+            return snapshot_upload_limit()
         return settings.HANGAR_MAX_BODY_BYTES
     return settings.HANGAR_MAX_ANONYMOUS_BODY_BYTES
+
+
+def snapshot_upload_limit() -> int:
+    """The largest body a snapshot upload may send: its files' limit plus tar's overhead."""
+    return int(settings.HANGAR_SNAPSHOT_MAX_MB * 1024 * 1024 * TAR_OVERHEAD) + 1024 * 1024
 
 
 def scope_limit(scope: dict) -> tuple[int, int | None, bool]:
@@ -29,7 +42,8 @@ def scope_limit(scope: dict) -> tuple[int, int | None, bool]:
     for name, value in scope.get("headers", []):
         headers[name] = headers[name] + b"; " + value if name in headers else value
     text = {name: value.decode("latin-1") for name, value in headers.items()}
-    limit = limit_for(text.get(b"authorization", ""), text.get(b"cookie", ""))
+    credentials = text.get(b"authorization", ""), text.get(b"cookie", "")
+    limit = limit_for(*credentials, scope.get("method", ""), scope.get("path", ""))
     declared, invalid = parse_length(text.get(b"content-length", ""))
     return limit, declared, invalid
 
@@ -70,7 +84,7 @@ class BodyLimitMiddleware:
 
     def __call__(self, request):
         meta: Mapping = request.META
-        limit = limit_for(meta.get("HTTP_AUTHORIZATION", ""), meta.get("HTTP_COOKIE", ""))
+        limit = limit_for(meta.get("HTTP_AUTHORIZATION", ""), meta.get("HTTP_COOKIE", ""), request.method, request.path)
         declared, invalid = parse_length(str(meta.get("CONTENT_LENGTH") or ""))
         if invalid:
             return bad_length()

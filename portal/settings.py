@@ -92,6 +92,8 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
+# A key generated into this data directory is this host's alone: other hosts cannot decrypt with it.
+SECRET_KEY_GENERATED = not env_str("HANGAR_SECRET_KEY")
 
 
 def _private_files(root: Path) -> None:
@@ -453,6 +455,22 @@ HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 # One directory per pipeline run (HANGAR_PIPELINE_DIR in every stage, jobs/pipelines.py). On a
 # fleet of several nodes it must be a filesystem every node mounts at the same path.
 HANGAR_PIPELINE_ROOT = Path(env_str("HANGAR_PIPELINE_ROOT", str(DATA_DIR / "pipelines")))
+# Where jobs' checkpoint directories live (ROOT/<job id>). Unset: in each node's job directory,
+# so a job requeued onto another host starts without its checkpoint (its log says so). On a
+# fleet of several hosts, point it at storage every node mounts at the same path.
+HANGAR_CHECKPOINT_ROOT = env_str("HANGAR_CHECKPOINT_ROOT")
+# Code snapshots (`hangar submit --code DIR`, jobs/snapshots.py): the most a snapshot's files
+# may hold, unpacked (its upload may be a little larger: tar headers), and how many files;
+# how much of a dirty tree's `git diff` is kept; how long a snapshot no job has named since
+# is kept; and where each agent keeps the snapshots it unpacked (one directory per hash).
+HANGAR_SNAPSHOT_MAX_MB = env_int("HANGAR_SNAPSHOT_MAX_MB", 100, minimum=1)
+HANGAR_SNAPSHOT_MAX_FILES = env_int("HANGAR_SNAPSHOT_MAX_FILES", 100_000, minimum=1)
+HANGAR_SNAPSHOT_DIFF_MAX_BYTES = env_int("HANGAR_SNAPSHOT_DIFF_MAX_BYTES", 512 * 1024, minimum=0)
+HANGAR_SNAPSHOT_RETENTION_DAYS = env_float("HANGAR_SNAPSHOT_RETENTION_DAYS", 30.0, minimum=0.001)
+HANGAR_SNAPSHOT_CACHE_DIR = Path(env_str("HANGAR_SNAPSHOT_CACHE_DIR", str(DATA_DIR / "snapshot-cache")))
+# How many unpacked snapshots an agent keeps; past it the least recently used go (not one
+# used in the last 10 minutes, which a rank may still be copying).
+HANGAR_SNAPSHOT_CACHE_ENTRIES = env_int("HANGAR_SNAPSHOT_CACHE_ENTRIES", 50, minimum=1)
 # Who jobs run as when the agent runs as root: a user name or uid on every node (e.g.
 # "hangar-job"). Unset: as the agent's own user (an agent running as root warns).
 # The user needs search permission on HANGAR_JOB_WORKDIR's parents and the right to run
@@ -558,6 +576,9 @@ HANGAR_PREFLIGHT_MAX_TEMP_C = env_float("HANGAR_PREFLIGHT_MAX_TEMP_C", 85.0)
 HANGAR_TELEMETRY_RAW_HOURS = env_float("HANGAR_TELEMETRY_RAW_HOURS", 24.0, minimum=0.01)
 HANGAR_FLEET_POLL_SECONDS = env_float("HANGAR_FLEET_POLL_SECONDS", 2.0, minimum=0.1)
 HANGAR_RENDEZVOUS_SECONDS = env_float("HANGAR_RENDEZVOUS_SECONDS", 30.0, minimum=0.1)
+# A failed rendezvous makes the node the evidence points at a suspect; it is cordoned once this
+# many attempts (within the corroboration window) point at it.
+HANGAR_RENDEZVOUS_SUSPICIONS = env_int("HANGAR_RENDEZVOUS_SUSPICIONS", 2, minimum=1)
 HANGAR_BURN_IN_STRESS_SECONDS = env_float("HANGAR_BURN_IN_STRESS_SECONDS", 3.0, minimum=0.1)
 HANGAR_BURN_IN_WAIT_SECONDS = env_float("HANGAR_BURN_IN_WAIT_SECONDS", 60.0, minimum=0.1)
 HANGAR_BURN_IN_PYTHON = env_str("HANGAR_BURN_IN_PYTHON")

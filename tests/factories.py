@@ -54,6 +54,23 @@ def make_attempt(job: Job, node: Node, state: str, gpu_indices: list[int] | None
     )
 
 
+def make_snapshot(project: Project, user, files: dict[str, str], tmp_dir):
+    """A code snapshot of `files` (path -> text) stored in `project`, as `hangar submit --code` makes it."""
+    import io
+    from pathlib import Path
+
+    from hangar.snapshots import pack
+    from jobs.snapshots import receive
+
+    root = Path(tmp_dir)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    packed = pack(root)
+    snapshot, _ = receive(project, packed.sha256, io.BytesIO(packed.data), len(packed.data), user)
+    return snapshot
+
+
 def api_client(user=None) -> APIClient:
     client = APIClient()
     if user is not None:

@@ -14,7 +14,7 @@ from agent.watch import observe_output
 from fleet.gpus import SimulatedProvider
 from fleet.models import GPU, FaultInjection, HealthEvent, Node, NodeState, TelemetrySample
 from jobs.models import AttemptState, FailureClass, Job, JobState, Stream
-from tests.factories import make_attempt, make_job
+from tests.factories import make_attempt, make_job, make_node
 
 
 @pytest.fixture
@@ -221,3 +221,22 @@ def test_a_minute_split_by_the_cutoff_is_folded_once(node):
 
     assert TelemetrySample.objects.filter(period_s=60).count() == 1
     assert not TelemetrySample.objects.filter(period_s=0).exists()
+
+
+def test_a_silent_node_holding_another_rank_of_a_gang_loses_the_gang(project, owner, node, settings):
+    """A 2-node attempt whose rank 1 ran on a host that went silent (a partition): rank 0 alone would
+    wait in its collectives until the max runtime; the attempt is lost and the job requeued."""
+    settings.HANGAR_NODE_OFFLINE_SECONDS = 30
+    other = make_node("node-b")
+    Node.objects.filter(pk=other.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    job = make_job(project, owner, nodes=2, gpus_per_node=1)
+    placement = [{"rank": 0, "node_id": node.pk, "node": node.name, "gpus": [0]}]
+    placement.append({"rank": 1, "node_id": other.pk, "node": other.name, "gpus": [0]})
+    attempt = make_attempt(job, node, AttemptState.RUNNING, placement=placement)
+
+    assert Node.mark_silent_offline() == [other]
+
+    attempt.refresh_from_db()
+    assert (attempt.state, attempt.failure_class) == (AttemptState.LOST, FailureClass.INFRA)
+    assert "node node-b went offline" in attempt.reason
+    assert Job.objects.get(pk=job.pk).state == JobState.QUEUED

@@ -7,9 +7,9 @@ import re
 import pytest
 from django.test import Client
 
-from jobs.models import Job, JobState, PipelineRun, PipelineStage
+from jobs.models import Job, JobState, PipelineRun, PipelineStage, Snapshot
 from portal.models import ApiToken, Membership, Role, Volume
-from tests.factories import api_client, make_job, make_node, token_client
+from tests.factories import api_client, make_job, make_node, make_snapshot, token_client
 from tests.test_access import close_code
 
 MARKER = "lab-secret-marker"
@@ -30,14 +30,27 @@ def schema_operations() -> list[tuple[str, str]]:
 
 
 @pytest.fixture
-def lab(roles):
+def lab(roles, tmp_path):
     node = make_node()
-    job = make_job(roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER})
+    # lab's code snapshot, named by its job: its hash, its download and its diff are lab's alone.
+    snapshot = make_snapshot(roles["lab"], roles["member"], {"train.py": f"print('{MARKER}')"}, tmp_path)
+    code = {"snapshot": snapshot.sha256, "branch": MARKER}
+    job = make_job(
+        roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER}, snapshot=snapshot, code=code, code_diff=MARKER
+    )
     token, _ = ApiToken.issue(roles["member"], MARKER)
     volume = Volume.objects.create(project=roles["lab"], name="data", path=f"/{MARKER}")
     pipeline = PipelineRun.objects.create(project=roles["lab"], submitted_by=roles["member"], name=MARKER)
     PipelineStage.objects.create(run=pipeline, name="only", position=0, job=job)
-    return {"node": node, "job": job, "token": token, "volume": volume, "pipeline": pipeline, **roles}
+    return {
+        "node": node,
+        "job": job,
+        "token": token,
+        "volume": volume,
+        "pipeline": pipeline,
+        "snapshot": snapshot,
+        **roles,
+    }
 
 
 def fill(path: str, lab: dict) -> str:
@@ -48,6 +61,7 @@ def fill(path: str, lab: dict) -> str:
         "project_slug": "lab",
         "username": "lab-member",
         "name": lab["volume"].name if "/volumes/" in path else lab["node"].name,
+        "sha256": lab["snapshot"].sha256,
     }
     return re.sub(r"\{(\w+)\}", lambda m: str(values[m.group(1)]), path)
 
@@ -92,6 +106,8 @@ def assert_nothing_changed(lab) -> None:
     assert Job.objects.get(pk=lab["job"].pk).state == JobState.QUEUED
     assert ApiToken.objects.get(pk=lab["token"].pk).revoked_at is None
     assert Volume.objects.filter(pk=lab["volume"].pk).exists()
+    assert list(Snapshot.objects.values_list("pk", flat=True)) == [lab["snapshot"].pk]
+    assert Snapshot.objects.get().last_referenced_at == lab["snapshot"].last_referenced_at
     assert Membership.objects.filter(project=lab["lab"]).count() == len(Role.values)
     assert not Membership.objects.filter(project=lab["lab"], user=lab["outsider"]).exists()
 
@@ -118,7 +134,7 @@ def test_the_job_pages_answer_404_to_another_project(lab):
     client = Client()
     client.force_login(lab["outsider"])
     job = lab["job"].pk
-    for url in (f"/jobs/{job}/", f"/jobs/{job}/status/"):
+    for url in (f"/jobs/{job}/", f"/jobs/{job}/status/", f"/api/v1/jobs/{job}/code/"):
         assert client.get(url).status_code == 404
     assert client.post(f"/jobs/{job}/cancel/").status_code == 404
     for url in ("/", "/jobs/", "/tokens/"):

@@ -14,7 +14,7 @@ from django.utils import timezone
 from agent import runner as execution
 from fleet.models import GPU
 from jobs import scheduler, secret_env
-from jobs.models import AttemptState, Job, LogLine
+from jobs.models import AttemptState, FailureClass, Job, LogLine
 from tests.factories import make_job, make_node
 
 
@@ -71,6 +71,8 @@ def test_a_secret_no_key_opens_fails_the_attempt_saying_so(transactional_db, pro
 
     assert attempt.state == AttemptState.FAILED
     assert "secret API_KEY cannot be decrypted" in attempt.reason and "ran" not in lines
+    # This node's keys, not the job's fault (a second host without the shared key): infra, so it is rerun.
+    assert attempt.failure_class == FailureClass.INFRA
 
 
 def test_a_new_key_reads_old_secrets_and_reseal_lets_the_old_key_go(project, owner, settings):

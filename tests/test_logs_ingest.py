@@ -149,13 +149,26 @@ def test_ranks_on_several_nodes_share_one_gap_free_sequence(attempt):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_lines_of_an_attempt_that_is_no_longer_current_are_refused(attempt):
-    Attempt.objects.filter(pk=attempt.pk).update(state="lost")
+def test_lines_printed_before_the_rank_learned_its_attempt_ended_are_stored_late_and_later_ones_refused(attempt):
+    """A write that hung through a partition finds the attempt ended (lease): what the rank printed
+    until then is its output, stored late into its attempt; what it prints after being told is
+    refused (the fence) while its runner stops it."""
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    printed = timezone.now()
+    Attempt.objects.filter(pk=attempt.pk).update(state="lost")  # ended elsewhere while the write hung
+    writer.start()
+    q.put((Stream.STDOUT, printed, b"printed while cut off\n", False))
+    deadline = time.monotonic() + 5
+    while not writer.refused and not writer.late_lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.put((Stream.STDOUT, timezone.now(), b"printed after the rank was told\n", False))
+    writer.close()
 
-    writer = write(attempt, [b"late\n"])
-
+    texts = [line.text for line in stored(attempt)]
+    assert texts[0] == "printed while cut off" and "printed after the rank was told" not in texts
+    assert "ended elsewhere before its last 1 lines" in texts[-1] and "stored late" in texts[-1]
     assert writer.refused
-    assert stored(attempt) == []
 
 
 @pytest.mark.django_db(transaction=True)

@@ -24,6 +24,8 @@ class NodeSerializer(serializers.ModelSerializer):
         fields = [
             "name",
             "hostname",
+            "address",
+            "network_interface",
             "state",
             "state_reason",
             "state_changed_at",

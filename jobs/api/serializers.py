@@ -98,6 +98,31 @@ class DependencySerializer(serializers.Serializer):
     )
 
 
+class CodeSerializer(serializers.Serializer):
+    """The code a job runs in (`hangar submit --code DIR`): a snapshot uploaded to its project
+    (PUT /api/v1/projects/<slug>/snapshots/<sha256>/) and, from a git work tree, its facts."""
+
+    snapshot = serializers.RegexField(
+        r"^[0-9a-f]{64}$",
+        error_messages={
+            "invalid": "must be the sha256 of an uploaded snapshot (64 lowercase hex digits)",
+            "required": "is required: the sha256 of a snapshot uploaded to the job's project",
+        },
+    )
+    commit = Text(required=False, allow_blank=True, max_length=64)
+    branch = Text(required=False, allow_blank=True, max_length=200)
+    dirty = serializers.BooleanField(required=False)
+    diff = Text(required=False, allow_blank=True, trim_whitespace=False, help_text="`git diff HEAD`; capped.")
+    diff_truncated = serializers.BooleanField(required=False)
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict) and (unknown := sorted(set(data) - set(self.fields))):
+            raise serializers.ValidationError(
+                {name: f"is not a field of code; known fields are {', '.join(self.fields)}" for name in unknown}
+            )
+        return super().to_internal_value(data)
+
+
 class JobSubmitSerializer(serializers.Serializer):
     default_error_messages = {
         "invalid": 'the body must be a JSON object of job fields, e.g. {{"project": "vision", "command": ["python", '
@@ -164,6 +189,7 @@ class JobSubmitSerializer(serializers.Serializer):
     )
 
     code_version = Text(required=False, allow_blank=True, max_length=200)
+    code = CodeSerializer(required=False, help_text="The code snapshot to run in, and its git commit, branch, diff.")
     config = serializers.JSONField(required=False)
     data_refs = serializers.ListField(
         child=Text(),
@@ -240,6 +266,18 @@ def hang_of(attempt: Attempt | None, key: str = "hang_suspected") -> dict | None
     return (attempt.diagnosis or {}).get(key) if attempt is not None else None
 
 
+class CodeOfJobSerializer(serializers.Serializer):
+    snapshot = serializers.CharField(help_text="sha256 of the tar.gz.")
+    size = serializers.IntegerField(help_text="Bytes of the tar.gz.")
+    files = serializers.IntegerField()
+    commit = serializers.CharField(required=False)
+    branch = serializers.CharField(required=False)
+    dirty = serializers.BooleanField(required=False)
+    diff_truncated = serializers.BooleanField()
+    available = serializers.BooleanField(help_text="False once retention deleted the snapshot.")
+    urls = serializers.DictField(child=serializers.CharField(), help_text="download (tar.gz) and diff (text).")
+
+
 class AttemptSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name")
     preflight_seconds = serializers.FloatField(read_only=True, allow_null=True)
@@ -295,6 +333,7 @@ class JobSerializer(serializers.ModelSerializer):
     urls = serializers.SerializerMethodField()
     diagnosis = serializers.SerializerMethodField(help_text="Why its latest attempt failed; null when it did not.")
     hang_suspected = serializers.SerializerMethodField(help_text="Set while its running attempt seems hung.")
+    code = serializers.SerializerMethodField(help_text="Its code snapshot and git facts; null: none.")
 
     class Meta:
         model = Job
@@ -333,6 +372,7 @@ class JobSerializer(serializers.ModelSerializer):
             "attempts",
             "urls",
             "code_version",
+            "code",
             "config",
             "data_refs",
             "mlflow_experiment_id",
@@ -378,6 +418,7 @@ class JobSerializer(serializers.ModelSerializer):
             "attempts": self.attempts_json(job),
             "urls": self.get_urls(job),
             "code_version": job.code_version,
+            "code": self.get_code(job),
             "config": job.config,
             "data_refs": job.data_refs,
             "mlflow_experiment_id": job.mlflow_experiment_id,
@@ -412,6 +453,13 @@ class JobSerializer(serializers.ModelSerializer):
     @extend_schema_field(HangSerializer(allow_null=True))
     def get_hang_suspected(self, job: Job) -> dict | None:
         return hang_of(self.latest(job))
+
+    @extend_schema_field(CodeOfJobSerializer(allow_null=True))
+    def get_code(self, job: Job) -> dict | None:
+        if not job.code:
+            return None
+        urls = {"download": f"/api/v1/jobs/{job.pk}/code/", "diff": f"/api/v1/jobs/{job.pk}/code/diff/"}
+        return {**job.code, "available": job.snapshot_id is not None, "urls": urls}
 
     def get_secret_env(self, job: Job) -> dict[str, str]:
         return dict.fromkeys(job.secret_env, SECRET_MASK)

@@ -6,6 +6,7 @@ from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.notify import SubscriptionViewSet
 from jobs.api.pipelines import PipelineViewSet
+from jobs.api.snapshots import JobCodeDiffView, JobCodeView, SnapshotView
 from jobs.api.views import JobViewSet, PriorityListView, QueueView
 
 router = SimpleRouter()
@@ -18,6 +19,9 @@ urlpatterns = [
     path("jobs/<int:pk>/logs/", JobLogsView.as_view(), name="api-job-logs"),
     path("jobs/<int:pk>/logs/download/", JobLogDownloadView.as_view(), name="api-job-logs-download"),
     path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="api-job-metrics"),
+    path("jobs/<int:pk>/code/", JobCodeView.as_view(), name="api-job-code"),
+    path("jobs/<int:pk>/code/diff/", JobCodeDiffView.as_view(), name="api-job-code-diff"),
+    path("projects/<slug:slug>/snapshots/<str:sha256>/", SnapshotView.as_view(), name="api-snapshot"),
     path("costs/summary/", CostSummaryView.as_view(), name="api-cost-summary"),
     path("costs/jobs/", CostJobsView.as_view(), name="api-cost-jobs"),
     *router.urls,

@@ -1,5 +1,5 @@
 """The jobs app's models, one module each: states, environments, jobs (and their history),
-attempts, log lines, cost. Everything is re-exported here: `from jobs.models import Job`."""
+attempts, log lines, cost, code snapshots. Everything is re-exported here: `from jobs.models import Job`."""
 
 from jobs.models.attempt import Attempt, lease_from, requeue_for
 from jobs.models.cost import Budget, CostDaily, GpuRate, JobCost, attempt_cost_of, next_month
@@ -8,6 +8,7 @@ from jobs.models.job import Job, JobEvent, JobQuerySet
 from jobs.models.logs import LogLine, Severity, Stream
 from jobs.models.notify import Channel, Delivery, DeliveryState, Event, Subscription
 from jobs.models.pipeline import PipelineRun, PipelineRunQuerySet, PipelineStage, PipelineState, pipeline_state
+from jobs.models.snapshot import Snapshot, SnapshotChunk
 from jobs.models.states import (
     ACTIVE_ATTEMPT_STATES,
     FINAL_JOB_STATES,
@@ -49,6 +50,8 @@ __all__ = [
     "Priority",
     "PriorityClass",
     "Severity",
+    "Snapshot",
+    "SnapshotChunk",
     "Stream",
     "Subscription",
     "attempt_cost_of",

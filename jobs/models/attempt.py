@@ -146,8 +146,11 @@ class Attempt(models.Model):
                 return False
             self.state, self.failure_class, self.reason, self.exit_code = state, failure_class, reason, exit_code
             self._move_job_on(now)
-            attempt_finished.send(sender=Attempt, attempt=self)  # its cost, its MLflow run
+            # First, so the wake-up is the first thing after the commit: the receivers' own
+            # after-commit work (the MLflow run's end, a diagnosis) must not delay the hand-off
+            # of its GPUs to the next job.
             wakeup.request_pass()  # its GPUs are free, and the job may be queued again
+            attempt_finished.send(sender=Attempt, attempt=self)  # its cost, its MLflow run
         return True
 
     def _move_job_on(self, now) -> None:

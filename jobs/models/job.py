@@ -1,11 +1,11 @@
 """Jobs and their history.
-
 The database row is the record of a job's state. Every state change is a
 conditional update on the current state, so a transition applied twice (a
 retried message, two schedulers, a late agent) takes effect once.
 """
 
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -78,6 +78,13 @@ class Job(models.Model):
     volumes = models.JSONField(default=list, blank=True, help_text="[{name, path, mode, version}] as submitted.")
     # What reproduces the job, and its MLflow run (jobs/tracking.py).
     code_version = models.CharField(max_length=200, blank=True, help_text="e.g. a git commit.")
+    # Its code snapshot (`hangar submit --code DIR`); `code` keeps the hash and the git facts
+    # after retention removes an unreferenced snapshot (jobs/snapshots.py).
+    snapshot = models.ForeignKey("jobs.Snapshot", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    code = models.JSONField(
+        default=dict, blank=True, help_text="{snapshot: sha256, commit, branch, dirty, diff_truncated}."
+    )
+    code_diff = models.TextField(blank=True, help_text="`git diff HEAD` of a dirty work tree, size-capped.")
     config = models.JSONField(default=dict, blank=True)
     data_refs = models.JSONField(default=list, blank=True)
     mlflow_experiment_id = models.CharField(max_length=64, blank=True)
@@ -120,7 +127,10 @@ class Job(models.Model):
         return bool(self.preemptible) or self.priority_class.preemptible
 
     def checkpoint_dir(self):
-        """Kept across attempts, so a preempted or retried job can resume."""
+        """Kept across attempts, so a preempted or retried job can resume (on another host only
+        where HANGAR_CHECKPOINT_ROOT is storage they share)."""
+        if settings.HANGAR_CHECKPOINT_ROOT:
+            return Path(settings.HANGAR_CHECKPOINT_ROOT) / str(self.pk)
         return settings.HANGAR_JOB_WORKDIR / str(self.pk) / "checkpoints"
 
     def latest_attempt(self) -> "Attempt | None":

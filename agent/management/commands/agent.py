@@ -5,11 +5,12 @@ from celery.signals import worker_shutting_down
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import runner, sandbox, tasks  # noqa: F401  (tasks: registers what this worker consumes)
+from agent import network, runner, sandbox, tasks  # noqa: F401  (tasks: registers what this worker consumes)
 from agent.node import Agent, default_node_name
 from fleet.gpus import SIMULATED_MODELS, detect_provider
 from jobs.models import Environment
 from portal.celery import app
+from portal.multihost import shared_state_problems
 
 
 class Command(BaseCommand):
@@ -36,17 +37,38 @@ class Command(BaseCommand):
             default=os.environ.get("HANGAR_NODE_ENVIRONMENTS", ""),
             help="Comma-separated environments this node can run (besides those that run everywhere), e.g. ai.",
         )
+        parser.add_argument(
+            "--advertise-address",
+            default=os.environ.get("HANGAR_NODE_ADDRESS", ""),
+            help="The address other nodes reach this one at (MASTER_ADDR of the jobs whose rank 0 runs here); "
+            "default: the address of the interface that reaches the database.",
+        )
+        parser.add_argument(
+            "--network-interface",
+            default=os.environ.get("HANGAR_NODE_NETWORK_INTERFACE", ""),
+            help="The interface the ranks here use for gloo/NCCL (default: the one holding the advertised address).",
+        )
 
     def handle(self, *args, node, simulate, sim_gpus, sim_model, environments, accept_inventory, **options):
         if sim_model not in SIMULATED_MODELS:
             raise CommandError(f"--sim-model {sim_model!r} is unknown; use one of {', '.join(SIMULATED_MODELS)}")
         if sim_gpus < 1:
             raise CommandError("--sim-gpus must be at least 1")
+        if problems := shared_state_problems():
+            raise CommandError("; ".join(f"{setting}: {why}" for setting, why in problems))
+        try:
+            address, interface, how = network.choose(options["advertise_address"], options["network_interface"])
+        except network.AddressError as exc:
+            raise CommandError(str(exc)) from None
         agent = Agent(node, detect_provider(node, simulate, sim_model, sim_gpus), settings.HANGAR_HEARTBEAT_SECONDS)
+        agent.address, agent.network_interface = address, interface
         agent.isolation = sandbox.start_checks()  # bwrap, setpriv, the docker client: found once, with our PATH
         registered = agent.register(accept_inventory=accept_inventory)
         kind = "simulated" if registered.simulated else "NVML"
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
+        on = f" (ranks' traffic on {interface})" if interface else ""
+        self.stdout.write(f"node {registered.name}: advertises {address}{on}: {how}")
+        self.stdout.flush()  # seen at once where stdout is a file (a service's log)
         if agent.isolation[1]:
             self.stderr.write(f"WARNING: isolation: {agent.isolation[0]}: {agent.isolation[1]}")
         names = [n.strip() for n in environments.split(",") if n.strip()]

@@ -5,6 +5,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import DatabaseError, close_old_connections
 
+from jobs import snapshots
 from jobs.logretention import enforce_retention_if_due
 from jobs.scheduler import reconcile, schedule_pass
 from portal.celery import app
@@ -19,6 +20,7 @@ def periodic(stop: threading.Event, interval: float) -> None:
             reconcile()
             schedule_pass()
             enforce_retention_if_due()
+            snapshots.enforce_retention_if_due()
         except DatabaseError as exc:
             log.warning("periodic pass failed: %s", exc)
         except Exception:  # a broker hiccup must not end the loop that recovers from lost messages

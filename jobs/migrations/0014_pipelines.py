@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0012_notifications'),
+        ('jobs', '0013_snapshots'),
         ('portal', '0004_project_network'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
