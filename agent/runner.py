@@ -35,7 +35,7 @@ from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
 from agent.running import lock as _running_lock
 from fleet.models import HealthEvent, Node
-from jobs import secret_env, tracking
+from jobs import pipelines, secret_env, tracking
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
 from portal.models import volume_env_name
 
@@ -338,6 +338,7 @@ class Runner:
             HANGAR_PROJECT=job.project.slug,
             HANGAR_NODE=self.node.name,
             HANGAR_CHECKPOINT_DIR=str(job.checkpoint_dir()),
+            **pipelines.stage_env(job),  # HANGAR_PIPELINE_DIR of a pipeline's stage
             **rank_env(attempt, self.rank, self.master_addr()),
         )
         return env
@@ -380,6 +381,8 @@ class Runner:
             self.job, self.gpus, self.workdir(), not self.node.simulated, container, prefix
         )
         user = environments.job_user() if self.launch is None else environments.uid_user(self.launch.uid)
+        if directory := pipelines.stage_env(self.job).get("HANGAR_PIPELINE_DIR"):
+            sandbox.prepare_pipeline_dir(directory, shared=self.launch is not None)
         if self.launch is None:
             environments.prepare_workdir(self.workdir(), self.job.checkpoint_dir(), user)
         argv, env = environments.command_for(

@@ -52,6 +52,10 @@ def record(job) -> dict:
     ]
     spec["mlflow_run_id"] = job.mlflow_run_id
     spec["code"] = code_record(job)
+    from jobs import pipelines  # it submits through jobs/submission.py, which imports this module's callers
+
+    if (stage := pipelines.record(job)) is not None:
+        spec["pipeline"] = stage  # the run, the stage, the upstream stages' jobs
     return spec
 
 

@@ -452,6 +452,9 @@ HANGAR_JOB_MEMORY_LIMIT_MB = env_int("HANGAR_JOB_MEMORY_LIMIT_MB", 0, minimum=0)
 # after committing a placement, before publishing its task. Never set it in production.
 HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH = env_bool("HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH", False)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
+# One directory per pipeline run (HANGAR_PIPELINE_DIR in every stage, jobs/pipelines.py). On a
+# fleet of several nodes it must be a filesystem every node mounts at the same path.
+HANGAR_PIPELINE_ROOT = Path(env_str("HANGAR_PIPELINE_ROOT", str(DATA_DIR / "pipelines")))
 # Where jobs' checkpoint directories live (ROOT/<job id>). Unset: in each node's job directory,
 # so a job requeued onto another host starts without its checkpoint (its log says so). On a
 # fleet of several hosts, point it at storage every node mounts at the same path.

@@ -7,7 +7,7 @@ import re
 import pytest
 from django.test import Client
 
-from jobs.models import Job, JobState, Snapshot
+from jobs.models import Job, JobState, PipelineRun, PipelineStage, Snapshot
 from portal.models import ApiToken, Membership, Role, Volume
 from tests.factories import api_client, make_job, make_node, make_snapshot, token_client
 from tests.test_access import close_code
@@ -47,12 +47,23 @@ def lab(roles, tmp_path):
     )
     token, _ = ApiToken.issue(roles["member"], MARKER)
     volume = Volume.objects.create(project=roles["lab"], name="data", path=f"/{MARKER}")
-    return {"node": node, "job": job, "token": token, "volume": volume, "snapshot": snapshot, **roles}
+    pipeline = PipelineRun.objects.create(project=roles["lab"], submitted_by=roles["member"], name=MARKER)
+    PipelineStage.objects.create(run=pipeline, name="only", position=0, job=job)
+    return {
+        "node": node,
+        "job": job,
+        "token": token,
+        "volume": volume,
+        "pipeline": pipeline,
+        "snapshot": snapshot,
+        **roles,
+    }
 
 
 def fill(path: str, lab: dict) -> str:
+    ids = {"tokens": lab["token"].pk, "pipelines": lab["pipeline"].pk}
     values = {
-        "id": lab["token"].pk if path.startswith("/api/v1/tokens/") else lab["job"].pk,
+        "id": ids.get(path.split("/")[3], lab["job"].pk),
         "slug": "lab",
         "project_slug": "lab",
         "username": "lab-member",
@@ -98,6 +109,7 @@ def sweep(client, lab) -> list[str]:
 
 def assert_nothing_changed(lab) -> None:
     assert Job.objects.filter(project=lab["lab"]).count() == 1
+    assert PipelineRun.objects.filter(project=lab["lab"]).count() == 1
     assert Job.objects.get(pk=lab["job"].pk).state == JobState.QUEUED
     assert ApiToken.objects.get(pk=lab["token"].pk).revoked_at is None
     assert Volume.objects.filter(pk=lab["volume"].pk).exists()
@@ -109,7 +121,7 @@ def assert_nothing_changed(lab) -> None:
 
 def test_the_sweep_covers_every_area_of_the_api(db):
     paths = {path for path, _ in schema_operations()}
-    for area in ("jobs", "projects", "tokens", "audit", "nodes"):
+    for area in ("jobs", "pipelines", "projects", "tokens", "audit", "nodes"):
         assert any(p.startswith(f"/api/v1/{area}/") for p in paths), area
 
 

@@ -5,11 +5,13 @@ from jobs.api.costs import CostJobsView, CostSummaryView
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.notify import SubscriptionViewSet
+from jobs.api.pipelines import PipelineViewSet
 from jobs.api.snapshots import JobCodeDiffView, JobCodeView, SnapshotView
 from jobs.api.views import JobViewSet, PriorityListView, QueueView
 
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="api-job")
+router.register("pipelines", PipelineViewSet, basename="api-pipeline")
 router.register("subscriptions", SubscriptionViewSet, basename="api-subscription")
 urlpatterns = [
     path("queue/", QueueView.as_view(), name="api-queue"),
