@@ -118,12 +118,23 @@ def may_search(info: os.stat_result, user: JobUser) -> bool:
     return bool(info.st_mode & stat.S_IXOTH)
 
 
-def command_for(job: Job, env: dict[str, str], gpus: list[int], workdir: Path, name: str, user: JobUser | None = None):
-    """The argv and environment to start for one rank of `job`, as `user` when given."""
+def command_for(
+    job: Job,
+    env: dict[str, str],
+    gpus: list[int],
+    workdir: Path,
+    name: str,
+    user: JobUser | None = None,
+    prefix: Path | None = None,
+):
+    """The argv and environment to start for one rank of `job`, as `user` when given; in the
+    virtualenv `prefix` (its cached environment, agent/envcache.py) when given."""
     if user is not None:
         home = user.home if os.path.isdir(user.home) else str(workdir)
         env = {**env, "USER": user.name, "LOGNAME": user.name, "HOME": home}
     environment = job.environment
+    if prefix is not None:
+        return list(job.command), in_prefix(env, prefix)
     if environment is None:
         return list(job.command), env
     if environment.kind == EnvironmentKind.CONTAINER:
@@ -132,9 +143,13 @@ def command_for(job: Job, env: dict[str, str], gpus: list[int], workdir: Path, n
         argv = docker_argv(environment.image, job.command, names, gpus, workdir, name, user, job.volumes, network)
         return argv, client_env(env)
     if environment.path:
-        prefix = Path(environment.path)
-        env = {**env, "PATH": f"{prefix / 'bin'}:{env.get('PATH', '')}", "VIRTUAL_ENV": str(prefix)}
+        env = in_prefix(env, Path(environment.path))
     return list(job.command), env
+
+
+def in_prefix(env: dict[str, str], prefix: Path) -> dict[str, str]:
+    """A virtualenv's or prefix's bin/ first on PATH: its `python` is the job's."""
+    return {**env, "PATH": f"{prefix / 'bin'}:{env.get('PATH', '')}", "VIRTUAL_ENV": str(prefix)}
 
 
 def docker_argv(

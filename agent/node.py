@@ -18,7 +18,7 @@ from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from agent import running, stress  # noqa: F401  (stress: its receiver runs the burn-in step here)
+from agent import envcache, running, stress  # noqa: F401  (stress: its receiver runs the burn-in step here)
 from agent.output import replay_spools
 from agent.watch import handle_finding
 from fleet import health
@@ -128,6 +128,7 @@ class Agent:
             return
         self.store(samples, timezone.now())
         self.node.heartbeat()
+        envcache.report(self.node)  # its cached environments: the node page, the scheduler's affinity
         findings = health.telemetry_findings(self.previous, samples)
         self.previous = {s.index: s for s in samples}  # a finding is acted on once, even if acting fails
         for finding in findings:

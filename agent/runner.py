@@ -29,13 +29,13 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import environments, network, running, sandbox, snapshots, watch
+from agent import envcache, environments, network, running, sandbox, snapshots, watch
 from agent.output import LogWriter
 from agent.preflight import run_preflight, run_rendezvous
 from agent.running import RUNNING
 from agent.running import lock as _running_lock
 from fleet.models import HealthEvent, Node
-from jobs import secret_env, tracking
+from jobs import pipelines, secret_env, tracking
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
 from portal.models import volume_env_name
 
@@ -133,6 +133,7 @@ class Runner:
         self.stop_requested: Outcome | None = None
         self.current = True
         self.tracking: InBackground | None = None
+        self.environment: envcache.Prepared | None = None  # its cached environment, held while it runs
 
     @property
     def world_size(self) -> int:
@@ -156,6 +157,8 @@ class Runner:
             self.stop_reaper()
             if self.job.code:
                 snapshots.remove_copy(self.workdir())  # its process group is gone (terminate, exited)
+            if self.environment is not None:
+                self.environment.close()
 
     def run_rank(self) -> None:
         self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds
@@ -217,6 +220,8 @@ class Runner:
             self.system(behind)
         if (unpacked := self.prepare_code()) is not None:
             return unpacked, None
+        if (ended := self.prepare_environment()) is not None:
+            return ended, None
         try:
             self.proc = self.start_process()
         except secret_env.SecretUnreadable as exc:  # this node's keys, not the job: infra
@@ -229,7 +234,8 @@ class Runner:
             return Outcome(AttemptState.FAILED, FailureClass.USER, reason), 127 if isinstance(
                 exc, FileNotFoundError
             ) else 126
-        if not self.attempt.mark_running(self.proc.pid):
+        record = self.environment.record if self.environment is not None and self.rank == 0 else None
+        if not self.attempt.mark_running(self.proc.pid, record):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
         return self.watch()
 
@@ -254,6 +260,17 @@ class Runner:
             f"(HANGAR_CHECKPOINT_ROOT is not set to storage the nodes share), so this attempt on {self.node.name} "
             "starts without it"
         )
+
+    def prepare_environment(self) -> Outcome | None:
+        """The job's cached Python environment (agent/envcache.py): built once on this node, then reused."""
+        try:
+            self.environment = envcache.prepare(self.job, self.system, self.still_current)
+        except envcache.Stopped:
+            return self.stop_requested or Outcome(AttemptState.LOST, FailureClass.INFRA, "ended during its build")
+        except envcache.BuildFailed as exc:
+            self.system(exc.reason, error=True)
+            return Outcome(AttemptState.FAILED, exc.failure_class, exc.reason)
+        return None
 
     def rendezvous(self) -> list[str]:
         """Multi-node preflight: this rank and rank 0 reach each other on the job's MASTER_PORT."""
@@ -321,6 +338,7 @@ class Runner:
             HANGAR_PROJECT=job.project.slug,
             HANGAR_NODE=self.node.name,
             HANGAR_CHECKPOINT_DIR=str(job.checkpoint_dir()),
+            **pipelines.stage_env(job),  # HANGAR_PIPELINE_DIR of a pipeline's stage
             **rank_env(attempt, self.rank, self.master_addr()),
         )
         return env
@@ -358,12 +376,17 @@ class Runner:
     def start_process(self) -> subprocess.Popen:
         container = environments.is_container(self.job)
         # The job's own uid (and bubblewrap sandbox), or None: the node isolates nothing (agent/sandbox.py).
-        self.launch = sandbox.launch_for(self.job, self.gpus, self.workdir(), not self.node.simulated, container)
+        prefix = self.environment.path if self.environment is not None else None
+        self.launch = sandbox.launch_for(
+            self.job, self.gpus, self.workdir(), not self.node.simulated, container, prefix
+        )
         user = environments.job_user() if self.launch is None else environments.uid_user(self.launch.uid)
+        if directory := pipelines.stage_env(self.job).get("HANGAR_PIPELINE_DIR"):
+            sandbox.prepare_pipeline_dir(directory, shared=self.launch is not None)
         if self.launch is None:
             environments.prepare_workdir(self.workdir(), self.job.checkpoint_dir(), user)
         argv, env = environments.command_for(
-            self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}", user
+            self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}", user, prefix
         )
         if self.launch is not None and not container:
             argv, env = self.launch.wrap(argv, env, self.workdir())

@@ -227,9 +227,12 @@ class Launch:
         return code
 
 
-def launch_for(job, gpus: list[int], workdir: Path, real_gpus: bool, container: bool) -> Launch | None:
+def launch_for(
+    job, gpus: list[int], workdir: Path, real_gpus: bool, container: bool, env_path: Path | None = None
+) -> Launch | None:
     """The job's uid and sandbox on this node, or None when the node isolates nothing
-    (not root, HANGAR_JOB_UID_RANGE=off: today's behaviour, announced at start)."""
+    (not root, HANGAR_JOB_UID_RANGE=off: today's behaviour, announced at start).
+    `env_path`: its cached environment, bound read-only (it lies in the hidden data directory)."""
     from django.conf import settings
 
     isolation_mode, reason = mode()
@@ -247,7 +250,7 @@ def launch_for(job, gpus: list[int], workdir: Path, real_gpus: bool, container: 
         workdir=str(workdir),
         checkpoint_dir=str(job.checkpoint_dir()),
         hidden=hidden_paths(settings),
-        binds=job_binds(job),
+        binds=job_binds(job, env_path),
         gpus=tuple(gpus),
         real_gpus=real_gpus,
         network=getattr(job.project, "network", "host"),
@@ -279,10 +282,57 @@ def hidden_paths(settings) -> tuple[str, ...]:
     )
 
 
-def job_binds(job) -> tuple[Bind, ...]:
+def prepare_pipeline_dir(path: str, shared: bool) -> None:
+    """A pipeline run's directory (jobs/pipelines.py), made here too when the portal's is on
+    another machine. `shared`: each stage runs as a uid of its own, and all of them write
+    there; its name is unguessable and the sandbox hides its root from every other job."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not shared:
+        return
+    root = directory.parent  # HANGAR_PIPELINE_ROOT: searchable by job uids, never listable
+    if not root.stat().st_mode & stat.S_IXOTH:
+        try:
+            root.chmod(0o711)
+        except OSError as exc:
+            raise OSError(f"job uids cannot reach {root}: chmod o+x it, or move HANGAR_PIPELINE_ROOT ({exc})")
+    if stat.S_IMODE(directory.stat().st_mode) != 0o777:
+        directory.chmod(0o777)
+    share_pipeline_files(directory)
+
+
+def share_pipeline_files(directory: Path) -> None:
+    """What earlier stages left in the run's directory, made readable and writable by the next
+    ones (each its own uid; Hangar's umask is 077). Only the run's stages ever see the directory.
+    The walk holds directory fds and opens each entry with O_NOFOLLOW: a link a stage planted is
+    never followed, so no file outside the directory changes mode; set-id bits are dropped."""
+    for _, dirs, files, dir_fd in os.fwalk(directory):
+        for name in [*dirs, *files]:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=dir_fd)
+            except OSError:
+                continue  # a link, a socket, or gone meanwhile
+            try:
+                info = os.fstat(fd)
+                mode = stat.S_IMODE(info.st_mode) & 0o777
+                if stat.S_ISDIR(info.st_mode):
+                    os.fchmod(fd, 0o777)
+                elif stat.S_ISREG(info.st_mode):
+                    os.fchmod(fd, mode | 0o666 | (0o111 if mode & 0o100 else 0))
+            finally:
+                os.close(fd)
+
+
+def job_binds(job, env_path: Path | None = None) -> tuple[Bind, ...]:
+    from jobs.pipelines import stage_env
+
     binds = []
+    if pipeline_dir := stage_env(job).get("HANGAR_PIPELINE_DIR"):
+        binds.append(Bind(os.path.normpath(pipeline_dir), writable=True))
     environment = job.environment
-    if environment is not None and environment.path:
+    if env_path is not None:
+        binds.append(Bind(os.path.normpath(env_path)))
+    elif environment is not None and environment.path:
         binds.append(Bind(os.path.normpath(environment.path)))
     for volume in job.volumes:
         binds.append(Bind(os.path.normpath(volume["path"]), writable=volume.get("mode") == "rw"))

@@ -7,9 +7,14 @@ database and one `schedule_pass()` (load, decide, write attempts), timed: on
 PostgreSQL when DATABASE_URL is set (in a fresh database it drops after), on
 SQLite in a temporary directory otherwise.
 
-    python bench/scheduler.py [--quick] [--nodes N] [--jobs N] [--no-db]
+Then, on the warm database, the pass again without and with 1,000 blocked
+jobs present (waiting on another job, as pipeline stages do), interleaved, best of 4 each:
+they must not slow it.
+
+    python bench/scheduler.py [--quick] [--nodes N] [--jobs N] [--no-db] [--blocked N]
 
 Last line: nodes=.. jobs=.. pass_ms=.. placements=.. placements_per_s=.. gpu_util=.. db=.. db_pass_ms=..
+db_placements=.. blocked=.. db_warm_pass_ms=.. db_pass_blocked_ms=.. blocked_ratio=..
 """
 
 import argparse
@@ -76,7 +81,7 @@ def drop_postgres(url: str, name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def in_database(fleet: list[dict], queue: list[dict]) -> tuple[str, float, int]:
+def in_database(fleet: list[dict], queue: list[dict], blocked_jobs: int) -> tuple[str, float, int, dict]:
     import django
     from django.core.management import call_command
 
@@ -112,7 +117,54 @@ def in_database(fleet: list[dict], queue: list[dict]) -> tuple[str, float, int]:
     scheduler.schedule_pass()
     seconds = time.perf_counter() - started
     placed = Attempt.objects.count()
-    return ("postgresql" if not settings.EMBEDDED_DATABASE else "sqlite"), seconds, placed
+    blocked = with_blocked_jobs(queue, projects, user, blocked_jobs)
+    return ("postgresql" if not settings.EMBEDDED_DATABASE else "sqlite"), seconds, placed, blocked
+
+
+def timed_pass_again() -> tuple[float, int]:
+    """The same queue again from scratch: the attempts and history of the last pass undone."""
+    from django.utils import timezone
+
+    from fleet.models import Node
+    from jobs import scheduler
+    from jobs.models import Attempt, Job, JobEvent, JobState
+
+    Node.objects.update(last_heartbeat_at=timezone.now())  # no agents beat here: the nodes stay fresh
+    Attempt.objects.all().delete()
+    JobEvent.objects.all().delete()
+    Job.objects.filter(state=JobState.SCHEDULED).update(state=JobState.QUEUED)
+    started = time.perf_counter()
+    scheduler.schedule_pass()
+    return time.perf_counter() - started, Attempt.objects.count()
+
+
+def with_blocked_jobs(queue: list[dict], projects, user, count: int, rounds: int = 4) -> dict:
+    """The pass again with `count` blocked jobs present (pipeline stages waiting on others) and
+    without them, on the warm database, interleaved `rounds` times (best of each: the machine
+    may be shared): blocked jobs must cost the pass nothing."""
+    from jobs.models import Job, JobState
+
+    if not count:
+        return {}
+    waits_on = Job.objects.filter(state=JobState.SCHEDULED).values_list("pk", flat=True).first() or 1
+    blocked = [
+        Job(project=projects[j["project"]], submitted_by=user, name="bench-blocked", command=["true"],
+            gpus_per_node=j["gpus"], nodes=j["nodes"], gpu_type=j["gpu_type"], priority=j["priority"],
+            max_runtime_seconds=j["runtime"], state=JobState.BLOCKED, state_reason=f"waiting for job {waits_on}",
+            depends_on=[{"job": waits_on, "on": "succeeded"}])
+        for j in (queue * (count // max(1, len(queue)) + 1))[:count]
+    ]  # fmt: skip
+    without, with_them, placed, never = [], [], 0, 0
+    for _ in range(rounds):
+        without.append(timed_pass_again()[0])
+        Job.objects.bulk_create([Job(**{f.attname: getattr(j, f.attname) for f in Job._meta.concrete_fields
+                                        if f.attname != "id"}) for j in blocked], batch_size=2000)  # fmt: skip
+        seconds, placed = timed_pass_again()
+        with_them.append(seconds)
+        never += Job.objects.filter(state=JobState.BLOCKED).exclude(attempts=None).count()
+        Job.objects.filter(state=JobState.BLOCKED).delete()
+    best = {"without_ms": min(without) * 1000, "with_ms": min(with_them) * 1000}
+    return {**best, "placed": placed, "blocked_placed": never}
 
 
 def main() -> None:
@@ -121,6 +173,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--jobs", type=int)
     parser.add_argument("--no-db", action="store_true", help="the in-memory pass only")
+    parser.add_argument("--blocked", type=int, default=1000, help="blocked jobs present in a second pass (0: none)")
     args = parser.parse_args()
     nodes = args.nodes or (200 if args.quick else 1000)
     jobs = args.jobs or (2000 if args.quick else 10000)
@@ -143,7 +196,7 @@ def main() -> None:
     if admin_url:
         os.environ["DATABASE_URL"], db_name = fresh_postgres(admin_url)
     try:
-        db, db_seconds, db_placed = in_database(fleet, queue)
+        db, db_seconds, db_placed, blocked = in_database(fleet, queue, args.blocked)
     finally:
         if db_name:
             from django.db import connections
@@ -151,7 +204,18 @@ def main() -> None:
             connections.close_all()
             drop_postgres(admin_url, db_name)
     print(f"database ({db}): one schedule_pass() {db_seconds * 1000:.0f} ms, {db_placed} attempts written")
-    print(f"{figures} db={db} db_pass_ms={db_seconds * 1000:.0f} db_placements={db_placed}")
+    figures += f" db={db} db_pass_ms={db_seconds * 1000:.0f} db_placements={db_placed}"
+    if blocked:
+        print(
+            f"warm database: pass {blocked['without_ms']:.0f} ms; with {args.blocked} blocked jobs present "
+            f"{blocked['with_ms']:.0f} ms ({blocked['placed']} placed, {blocked['blocked_placed']} of them blocked)"
+        )
+        ratio = blocked["with_ms"] / blocked["without_ms"]
+        figures += (
+            f" blocked={args.blocked} db_warm_pass_ms={blocked['without_ms']:.0f}"
+            f" db_pass_blocked_ms={blocked['with_ms']:.0f} blocked_ratio={ratio:.2f}"
+        )
+    print(figures)
 
 
 if __name__ == "__main__":

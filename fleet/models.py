@@ -556,3 +556,34 @@ class FaultInjection(models.Model):
             if cls.objects.filter(pk=fault.pk, applied_at=None).update(applied_at=timezone.now()):
                 taken.append(fault)
         return taken
+
+
+class CachedEnvironment(models.Model):
+    """A Python environment built and cached on a node (agent/envcache.py), as its agent reports
+    it: the node page lists them, and the scheduler prefers a node that holds a job's one."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="cached_environments")
+    hash = models.CharField(max_length=64, help_text="Of the exact resolved packages, Python version and platform.")
+    keys = models.JSONField(default=list, blank=True, help_text="Requirement keys (as jobs ask) resolved to it.")
+    python = models.CharField(max_length=100, blank=True, help_text="e.g. cpython-3.11.7-linux-x86_64.")
+    packages = models.PositiveIntegerField(default=0, help_text="Packages installed in it.")
+    size_bytes = models.BigIntegerField(default=0)
+    built_at = models.DateTimeField(null=True, blank=True)
+    build_seconds = models.FloatField(default=0.0)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    jobs = models.PositiveIntegerField(default=0, help_text="Jobs that have run in it on this node.")
+
+    class Meta:
+        ordering = ["node", "-last_used_at"]
+        constraints = [models.UniqueConstraint(fields=["node", "hash"], name="cached_environment_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.hash[:12]} on {self.node}"
+
+    @classmethod
+    def report(cls, node: Node, entries: list[dict]) -> None:
+        """Make the node's rows what its agent found in its cache (each entry: this model's fields)."""
+        with transaction.atomic():
+            cls.objects.filter(node=node).exclude(hash__in=[e["hash"] for e in entries]).delete()
+            for entry in entries:
+                cls.objects.update_or_create(node=node, hash=entry["hash"], defaults=entry)

@@ -88,6 +88,8 @@ def node_detail(request, name: str):
         "fault_kinds": FAULT_KINDS,
         "is_operator": request.user.is_staff,
         "attempts": [],
+        # Hash, size and use only: which packages another project's jobs asked for is theirs.
+        "cached_environments": node.cached_environments.all(),
     }
     for _, extra in signals.node_page.send(sender=Node, node=node, user=request.user):
         context.update(extra or {})  # the jobs app adds the attempts of the user's projects that ran here

@@ -139,6 +139,22 @@ def pairs(items: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def read_requirements(path: str) -> str:
+    """A requirements.txt's text, sent as is: the server checks each line (and names the wrong one)."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise HangarError(f"cannot read requirements file {path}: {reason}", EXIT_USAGE)
+
+
+def requirement_list(value) -> list[str]:
+    """Requirements from a job file or --requirements (a list, or a requirements.txt's text) as a list."""
+    if not value:
+        return []
+    return value.splitlines() if isinstance(value, str) else list(value)
+
+
 def job_spec(args) -> dict:
     spec = load_job_file(args.file) if args.file else {}
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -159,6 +175,12 @@ def job_spec(args) -> dict:
     for volume in args.volume or []:
         name, _, mode = volume.partition(":")
         spec.setdefault("volumes", []).append({"name": name, "mode": mode or "ro"})
+    if args.requirements:
+        spec["requirements"] = read_requirements(args.requirements)
+    if args.pip:
+        spec["requirements"] = requirement_list(spec.get("requirements")) + list(args.pip)
+    if args.python:
+        spec["python_version"] = args.python
     for after in args.after or []:
         job, _, condition = after.partition(":")
         if not job.isdigit() or condition not in ("", "succeeded", "finished"):
@@ -254,6 +276,7 @@ def describe(job: dict) -> str:
         head.append(f"  code:     snapshot {code['snapshot'][:12]}{git_text(code)}")
     if job.get("exit_code") is not None:
         head.append(f"  exit:     {job['exit_code']} ({job.get('failure_class') or 'ok'})")
+    head += describe_environment(job)
     head += describe_diagnosis(job)
     attempts = [{**a, "placement": placement_text(a)} for a in job.get("attempts", [])]
     columns = ["number", "state", "placement", "started_at", "finished_at", "exit_code", "failure_class"]
@@ -264,6 +287,19 @@ def git_text(code: dict) -> str:
     if not code.get("commit"):
         return ""
     return f" (git {code.get('branch') or 'detached'} @ {code['commit'][:12]}{', dirty' if code.get('dirty') else ''})"
+
+
+def describe_environment(job: dict) -> list[str]:
+    """Its requirements, and the cached environment its latest attempt ran in (hash, how it was had)."""
+    if not job.get("requirements"):
+        return []
+    python = f" (Python {job['python_version']})" if job.get("python_version") else ""
+    lines = [f"  requires: {' '.join(job['requirements'])}{python}"]
+    record = next((a["environment"] for a in reversed(job.get("attempts", [])) if a.get("environment")), None)
+    if record:
+        how = "cached" if record.get("cached") else f"built in {record.get('build_seconds')} s"
+        lines.append(f"  env:      {record['hash'][:12]} {record['python']}, {how}: {' '.join(record['packages'])}")
+    return lines
 
 
 def placement_text(attempt: dict) -> str:
@@ -616,6 +652,144 @@ def cmd_cost(args) -> int:
 # --- the parser ------------------------------------------------------------------------
 
 
+# --- pipelines ----------------------------------------------------------------------
+
+
+def load_pipeline_file(path: str) -> dict:
+    """A pipeline file (YAML or JSON); a key given twice (two stages of one name) is refused,
+    where YAML and JSON parsers would keep the last one silently."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HangarError(f"cannot read pipeline file {path}: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE)
+    try:
+        document = json.loads(text, object_pairs_hook=unique_keys) if text.lstrip().startswith("{") else yaml_of(text)
+    except ValueError as exc:
+        raise HangarError(f"{path}: {exc}", EXIT_USAGE)
+    if not isinstance(document, dict):
+        raise HangarError(f"{path}: a pipeline file holds one mapping (project, params, stages)", EXIT_USAGE)
+    return document
+
+
+def unique_keys(pairs: list[tuple], where: str = "") -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"{key!r} is given twice{where}; give each stage (and each key) once")
+        seen[key] = value
+    return seen
+
+
+def yaml_of(text: str):
+    try:
+        import yaml
+    except ImportError:
+        raise HangarError("reading a YAML pipeline file needs PyYAML: pip install PyYAML (or give JSON)", EXIT_USAGE)
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            pairs = [(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep)) for k, v in node.value]
+            return unique_keys(pairs, f" (line {node.start_mark.line + 1})")
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, UniqueKeys.construct_mapping)
+    try:
+        return yaml.load(text, Loader=UniqueKeys)  # a SafeLoader: no Python objects
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ValueError(f"not valid YAML{at}: {getattr(exc, 'problem', None) or exc}")
+
+
+def describe_pipeline(run: dict) -> str:
+    rows = [
+        {**stage, "duration": f"{stage['duration_seconds']:.1f}s" if stage["duration_seconds"] is not None else None,
+         "cost": f"{stage['cost']:.2f}" + (" (reused)" if stage["reused"] else ""), "needs": stage["needs"] or None}
+        for stage in run["stages"]
+    ]  # fmt: skip
+    head = f"pipeline run {run['id']} {run['name']} ({run['project']}): {run['state']}, cost {run['cost']:.2f}"
+    if run.get("rerun_of"):
+        head += f", rerun of {run['rerun_of']}" + (f" from {run['from_stage']}" if run["from_stage"] else "")
+    return "\n".join([head, table(rows, ["name", "job", "state", "needs", "duration", "cost", "state_reason"])])
+
+
+def pipeline_outcome(run: dict) -> int:
+    return {"succeeded": EXIT_OK, "cancelled": EXIT_CANCELLED}.get(run["state"], EXIT_JOB_FAILED)
+
+
+def cmd_pipeline_run(args) -> int:
+    document = load_pipeline_file(args.file)
+    if args.project:
+        document["project"] = args.project
+    document.setdefault("project", load_config().get("project"))
+    if args.param:
+        document["params"] = {**(document.get("params") or {}), **pairs(args.param, "--param")}
+    api = api_from(args)
+    run = api.submit_pipeline(document, args.idempotency_key)
+    for warning in run.get("warnings", []):
+        print(f"hangar: warning: {warning}", file=sys.stderr)
+    if not args.wait:
+        emit(args, run, f"pipeline run {run['id']} submitted: {' -> '.join(s['name'] for s in run['stages'])}")
+        return EXIT_OK
+    run = api.wait_pipeline(run["id"], args.timeout)
+    emit(args, run, describe_pipeline(run))
+    return pipeline_outcome(run)
+
+
+def cmd_pipeline_status(args) -> int:
+    run = api_from(args).pipeline(args.run)
+    emit(args, run, describe_pipeline(run))
+    return EXIT_OK
+
+
+def cmd_pipeline_list(args) -> int:
+    runs = api_from(args).pages("/api/v1/pipelines/", limit=args.limit, project=args.project)
+    emit(args, runs, table(runs, ["id", "name", "project", "submitted_by", "state", "cost", "created_at"]))
+    return EXIT_OK
+
+
+def cmd_pipeline_cancel(args) -> int:
+    run = api_from(args).cancel_pipeline(args.run, args.reason or "")  # one that already ended: 409, exit 5
+    emit(args, run, f"pipeline run {run['id']}: cancelled {', '.join(run['cancelled_stages']) or 'nothing'}")
+    return EXIT_OK
+
+
+def cmd_pipeline_rerun(args) -> int:
+    run = api_from(args).rerun_pipeline(args.run, args.from_stage or "")
+    how = f"from {args.from_stage}" if args.from_stage else "all stages"
+    emit(args, run, f"pipeline run {args.run} run again ({how}) as pipeline run {run['id']}")
+    return EXIT_OK
+
+
+def pipeline_commands(sub, common) -> None:
+    """`hangar pipeline run|status|list|cancel|rerun`."""
+    group = sub.add_parser("pipeline", parents=[common], help="run and follow pipelines (stages with needs)")
+    commands = group.add_subparsers(dest="pipeline_command", required=True, metavar="PIPELINE_COMMAND")
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = commands.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("run", cmd_pipeline_run, "submit a pipeline file: hangar pipeline run -f pipeline.yaml")
+    p.add_argument("-f", "--file", required=True, help="a YAML or JSON pipeline file (- for stdin)")
+    p.add_argument("-p", "--project", help="overrides the file's project")
+    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="overrides one of the file's params")
+    p.add_argument("--idempotency-key", help="a retried run with the same key returns the first pipeline run")
+    p.add_argument("--wait", action="store_true", help="wait for every stage; exit 0 succeeded, 1 failed, 3 cancelled")
+    p.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
+    p = command("status", cmd_pipeline_status, "a pipeline run's stages, their jobs, states, durations and cost")
+    p.add_argument("run", type=int)
+    p = command("list", cmd_pipeline_list, "pipeline runs of your projects, newest first")
+    p.add_argument("-p", "--project")
+    p.add_argument("--limit", type=int, default=50)
+    p = command("cancel", cmd_pipeline_cancel, "cancel a pipeline run's running and waiting stages")
+    p.add_argument("run", type=int)
+    p.add_argument("--reason")
+    p = command("rerun", cmd_pipeline_rerun, "run a pipeline again, whole or --from STAGE (earlier stages reused)")
+    p.add_argument("run", type=int)
+    p.add_argument("--from", dest="from_stage", metavar="STAGE")
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -645,6 +819,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", help="a priority class of the server (`hangar priorities` lists them)")
     p.add_argument("--environment", help="a named environment, e.g. hangar-venv (this install's virtualenv)")
     p.add_argument("--max-runtime", type=int, metavar="SECONDS")
+    p.add_argument(
+        "--requirements", metavar="FILE", help="a requirements.txt: the job runs in its cached environment (uv)"
+    )
+    p.add_argument("--pip", nargs="+", action="extend", metavar="PKG", help="packages of its cached environment")
+    p.add_argument("--python", metavar="VERSION", help="with requirements: the Python version, e.g. 3.11")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE")
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")
     p.add_argument("-v", "--volume", action="append", metavar="NAME[:rw]")
@@ -745,6 +924,8 @@ def parser() -> argparse.ArgumentParser:
         p = command(action, cmd_node_action, help)
         p.add_argument("node")
         p.add_argument("--reason", required=True)
+
+    pipeline_commands(sub, common)
 
     p = command("cost", cmd_cost, "spend by project, user, GPU type or day")
     p.add_argument("-p", "--project")

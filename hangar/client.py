@@ -154,6 +154,32 @@ class Client:
         """A sweep with its runs ranked by objective (best first) and its best run."""
         return self.get(f"/api/v1/sweeps/{sweep_id}/")
 
+    # --- pipelines (jobs/pipelines.py) ---
+
+    def submit_pipeline(self, document: dict, idempotency_key: str | None = None) -> dict:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self.post("/api/v1/pipelines/", document, headers=headers)
+
+    def pipeline(self, run_id: int) -> dict:
+        return self.get(f"/api/v1/pipelines/{run_id}/")
+
+    def cancel_pipeline(self, run_id: int, reason: str = "") -> dict:
+        return self.post(f"/api/v1/pipelines/{run_id}/cancel/", {"reason": reason} if reason else {})
+
+    def rerun_pipeline(self, run_id: int, from_stage: str = "") -> dict:
+        return self.post(f"/api/v1/pipelines/{run_id}/rerun/", {"from_stage": from_stage} if from_stage else {})
+
+    def wait_pipeline(self, run_id: int, timeout: float | None = None) -> dict:
+        """Poll the pipeline run until every stage ended; HangarError(124) after `timeout`."""
+        deadline = time.monotonic() + timeout if timeout else None
+        delay = 0.2
+        while (run := self.pipeline(run_id))["state"] == "running":
+            if deadline and time.monotonic() > deadline:
+                raise HangarError(f"pipeline run {run_id} is still running after {timeout:g}s", EXIT_WAIT_TIMEOUT)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+        return run
+
     # --- code snapshots (hangar/snapshots.py packs them) ---------------------------------
 
     def snapshot(self, project: str, sha256: str) -> dict | None:

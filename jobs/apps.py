@@ -7,4 +7,4 @@ class JobsConfig(AppConfig):
 
     def ready(self) -> None:
         # Connect the receivers of signals sent by this app and by the fleet below it.
-        from jobs import dependencies, diagnosing, notify, receivers, sweeps, tracking  # noqa: F401
+        from jobs import dependencies, diagnosing, notify, pipelines, receivers, sweeps, tracking  # noqa: F401

@@ -36,13 +36,15 @@ CANCELLED = "cancelled"
 PREEMPTED = "preempted"
 NODE_LOST = "node_lost"
 HANG = "hang"
+ENVIRONMENT = "environment"
 UNKNOWN = "unknown"
 HANG_STOP = "stopped: hang suspected"  # how an attempt ended by stop_on_hang starts its reason
 
 CATEGORIES = (
     CUDA_OOM, HOST_OOM, NAN_LOSS, COLLECTIVE_TIMEOUT, NETWORK_ERROR, GPU_FAULT, PYTHON_EXCEPTION, IMPORT_ERROR,
-    FILE_NOT_FOUND, PERMISSION, SEGFAULT, ABORT, TIMEOUT, CANCELLED, PREEMPTED, NODE_LOST, HANG, UNKNOWN,
+    FILE_NOT_FOUND, PERMISSION, SEGFAULT, ABORT, TIMEOUT, CANCELLED, PREEMPTED, NODE_LOST, HANG, ENVIRONMENT, UNKNOWN,
 )  # fmt: skip
+ENV_BUILD_FAILED = "environment build failed"  # how the agent's reason starts (agent/envcache.py)
 # Errors a rank reports because another rank failed first: they never make a rank the first to fail
 # while a root cause is seen on some rank.
 FOLLOW_ON = {COLLECTIVE_TIMEOUT, NETWORK_ERROR}
@@ -401,6 +403,8 @@ def diagnose(lines: list[Line], ending: Ending, events: list[Event] = ()) -> Dia
     """Why the attempt ended badly (see the module's docstring)."""
     if (early := by_ending(ending, events)) is not None:
         return early
+    if ending.reason.startswith(ENV_BUILD_FAILED):
+        return environment_diagnosis(lines, ending)
     signals = rank_signals(sorted(lines, key=lambda x: x.seq), ending)
     chosen = choose(signals)
     if chosen is None:
@@ -421,6 +425,26 @@ def diagnose(lines: list[Line], ending: Ending, events: list[Event] = ()) -> Dia
     if chosen.category == NETWORK_ERROR and any(e.source == "output" and not trusted(e) for e in events):
         confidence, summary = "low", summary + " (reported only by the job's output; the node saw nothing)"
     return Diagnosis(chosen.category, summary, chosen.hint, confidence, rank, [ref(x) for x in evidence])
+
+
+_NAMED_PACKAGE = re.compile(r"^environment build failed: package '([^']+)'")
+
+
+def environment_diagnosis(lines: list[Line], ending: Ending) -> Diagnosis:
+    """Its cached environment could not be built (the resolver's or the installer's message)."""
+    package = _NAMED_PACKAGE.match(ending.reason)
+    if package:
+        hint = (
+            f"Fix the requirement {package.group(1)!r}: check its name on the index (pip names, e.g. "
+            "scikit-learn), its version specifier, and that a wheel exists for the node's Python and platform "
+            "(source builds are off)"
+        )
+    else:
+        hint = "Fix the requirements or python_version as the message says, then submit again"
+    told = [x for x in lines if x.stream == "system" and x.text.startswith("[hangar] uv:")]
+    evidence = [ref(x) for x in told[-5:]]
+    rank = told[-1].rank if told else 0
+    return Diagnosis(ENVIRONMENT, ending.reason[:500], hint, "high", rank, evidence)
 
 
 _EXITED = re.compile(r"^\[hangar\] (?:exited with code [1-9]\d*|killed by SIG\w+)")

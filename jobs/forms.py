@@ -32,6 +32,18 @@ class JobForm(forms.Form):
     gpu_type = forms.ChoiceField(label="GPU type", required=False)
     priority = forms.ChoiceField(required=False, help_text="Blank: the project's default class.")
     environment = forms.ChoiceField(required=False)
+    requirements = forms.CharField(
+        label="Python requirements",
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": "six==1.17.0\nnumpy>=2", "class": "mono"}),
+        help_text="A requirements.txt (one package a line): its environment is built once per node (uv), then reused.",
+    )
+    python_version = forms.CharField(
+        label="Python version",
+        required=False,
+        max_length=16,
+        help_text="With requirements, e.g. 3.11; blank: the node's.",
+    )
     max_retries = forms.IntegerField(
         label="Retries", initial=0, required=False, help_text="Times to run it again if the command itself fails."
     )

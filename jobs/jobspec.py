@@ -8,6 +8,10 @@ path (jobs/api/serializers.py, later jobs/submission.py) calls them and says wha
 """
 
 import fnmatch
+import re
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 RESERVED_NAMES = {
     "CUDA_VISIBLE_DEVICES": "is set by Hangar for each attempt (the GPUs placed for it)",
@@ -83,6 +87,66 @@ def image_problem(image: str, allowed: str, project_slug: str) -> str | None:
     return f"image {image} is not among project {project_slug}'s allowed images ({', '.join(patterns)})"
 
 
+MAX_REQUIREMENTS = 500
+PYTHON_VERSION = re.compile(r"^3\.\d{1,2}(?:\.\d{1,2})?$")
+REQUIREMENT_EXAMPLE = "e.g. six==1.17.0, numpy>=2 or transformers[torch]"
+
+
+def parse_requirements(value) -> list[str]:
+    """A job's requirements (a list of specifiers, or a requirements.txt's text) as a sorted list
+    of normalised specifiers; ValueError says which line is wrong and how to write it. Only named
+    packages from the node's index: no options (-r, -e, --index-url) and no direct references
+    (URLs, paths, git), which would read the node's files or reach anywhere as the agent."""
+    lines = value.splitlines() if isinstance(value, str) else list(value)
+    out = set()
+    for number, raw in enumerate(lines, start=1):
+        text = re.sub(r"(^|\s)#.*$", "", raw).strip()
+        where = f"line {number}" if isinstance(value, str) else f"entry {number}"
+        if not text:
+            continue
+        if text.startswith("-"):
+            raise ValueError(
+                f"{where} ({text!r}): options such as -r, -e or --index-url are not accepted; list packages only "
+                "(the node's index is set by its operator: UV_INDEX_URL)"
+            )
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement as exc:
+            raise ValueError(f"{where} ({text!r}) is not a requirement ({exc}); write {REQUIREMENT_EXAMPLE}")
+        if requirement.url:
+            raise ValueError(
+                f"{where} ({text!r}): direct references (URLs, paths, git) are not accepted; name a package of the "
+                f"index, {REQUIREMENT_EXAMPLE}"
+            )
+        requirement.name = canonicalize_name(requirement.name)
+        out.add(str(requirement))
+    if len(out) > MAX_REQUIREMENTS:
+        raise ValueError(f"{len(out)} requirements; at most {MAX_REQUIREMENTS}")
+    return sorted(out)
+
+
+def python_problem(version: str) -> str | None:
+    if not version or PYTHON_VERSION.match(version):
+        return None
+    return f"{version!r} is not a Python version; write e.g. 3.11 (blank: the node's python3)"
+
+
+def requirements_problem(environment, requirements: list[str], python_version: str) -> tuple[str, str] | None:
+    """(field, message) when the requirements cannot go with the environment asked for."""
+    if not requirements and not python_version:
+        return None
+    if environment is not None and environment.kind == "container":
+        return "requirements", f"environment {environment.name} is a container: install packages in its image"
+    if environment is not None and environment.path:
+        return "requirements", (
+            f"environment {environment.name} is a host path ({environment.path}); requirements go with no "
+            "environment or a cached one (built from requirements, e.g. ai)"
+        )
+    if not requirements and not (environment is not None and environment.cached):
+        return "python_version", "a Python version needs requirements (the cached environment built with it)"
+    return None
+
+
 def copy_for(job, spec: dict, user, given) -> dict:
     """A resubmit's or run-again's spec (reproduce.clone_data) as `user` may submit it: by
     another user than the submitter, with only the secret values `user` gives."""
@@ -108,6 +172,9 @@ def check(attrs: dict, user, copy_of=None) -> None:
     container = environment is not None and environment.kind == "container"
     if problem := env_problem([*attrs.get("env", {}), *attrs.get("secret_env", {})], container):
         raise ValidationError({"env": problem})
+    wanted = attrs.get("requirements") or [], attrs.get("python_version") or ""
+    if problem := requirements_problem(environment, *wanted):
+        raise ValidationError({problem[0]: problem[1]})
     project = attrs["project"]
     if container and (problem := image_problem(environment.image, project.allowed_images, project.slug)):
         raise ValidationError({"environment": problem})

@@ -22,6 +22,7 @@ class FreeNode:
     free: list[int] = field(default_factory=list)
     environments: frozenset[str] = frozenset()
     gpu_count: int = 0
+    cached: frozenset[str] = frozenset()  # requirement keys of the cached environments it holds
 
     def __post_init__(self):
         self.gpu_count = self.gpu_count or len(self.free)
@@ -33,6 +34,7 @@ class Request:
     gpu_type: str = ""
     nodes: int = 1
     environment: str = ""
+    env_key: str = ""  # its cached environment's requirement key: nodes holding it are preferred
 
     def matches(self, node: FreeNode) -> bool:
         return (not self.gpu_type or node.gpu_model == self.gpu_type) and (
@@ -94,6 +96,7 @@ class Placement:
     job_id: int
     ranks: list[tuple[int, list[int]]]  # (node id, GPU indices) by rank
     borrowed: bool = False
+    warm: list[int] = field(default_factory=list)  # its nodes that hold its cached environment already
 
 
 @dataclass
@@ -157,10 +160,13 @@ class FleetIndex:
             ids, need = buckets[count], request.nodes - len(found)
             if not ids:
                 continue
-            if allowed is None and not request.environment:
+            if allowed is None and not request.environment and not request.env_key:
                 chosen = sorted(ids) if len(ids) <= need else heapq.nsmallest(need, ids)
             else:
-                chosen = [i for i in sorted(ids) if self._ok(i, request, allowed)][:need]
+                chosen = [i for i in sorted(ids) if self._ok(i, request, allowed)]
+                if request.env_key:  # as good a fit otherwise: warm-cache affinity (sort is stable)
+                    chosen.sort(key=lambda i: request.env_key not in self.nodes[i].cached)
+                chosen = chosen[:need]
             found.extend((count, i) for i in chosen)
             if len(found) >= request.nodes:
                 break
@@ -291,7 +297,8 @@ class Pass:
             if ranks is not None:
                 for reservation in self.reservations:
                     reservation.use(ranks, job.runtime)
-                self.plan.placements.append(Placement(job.job_id, ranks, borrowing))
+                warm = [n for n, _ in ranks if request.env_key and request.env_key in self.index.nodes[n].cached]
+                self.plan.placements.append(Placement(job.job_id, ranks, borrowing, warm))
                 self.runtimes[job.job_id] = job.runtime
                 self.count(job.project_id, job.user_id, request.total)
                 return

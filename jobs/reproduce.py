@@ -16,6 +16,8 @@ SPEC_FIELDS = [
     "max_runtime_seconds",
     "code_version",
     "environment",
+    "requirements",
+    "python_version",
     "config",
     "data_refs",
     "objective",
@@ -45,11 +47,17 @@ def record(job) -> dict:
             "gpu_indices": a.gpu_indices,
             # Every rank's node and GPUs, rank 0 first (a multi-node attempt ran on several).
             "ranks": [{"rank": r["rank"], "node": r["node"] or a.node.name, "gpu_indices": r["gpus"]} for r in a.ranks],
+            # Its cached environment as rank 0's node resolved it: hash and exact packages.
+            **({"environment": a.environment} if a.environment else {}),
         }
         for a in job.attempts.select_related("node")
     ]
     spec["mlflow_run_id"] = job.mlflow_run_id
     spec["code"] = code_record(job)
+    from jobs import pipelines  # it submits through jobs/submission.py, which imports this module's callers
+
+    if (stage := pipelines.record(job)) is not None:
+        spec["pipeline"] = stage  # the run, the stage, the upstream stages' jobs
     return spec
 
 
@@ -74,7 +82,7 @@ def clone_data(job) -> dict:
         stop_on_hang=job.stop_on_hang,
         code=clone_code(job),
     )
-    return {k: v for k, v in data.items() if v not in ("", None) and not (k == "objective" and not v)}
+    return {k: v for k, v in data.items() if v not in ("", None, []) and not (k == "objective" and not v)}
 
 
 def clone_code(job) -> dict | None:

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import Case, IntegerField, Max, Value, When
 from django.utils import timezone
 
-from fleet.models import Node
+from fleet.models import CachedEnvironment, Node
 from jobs.metrics import SCHEDULER_PASS
 from jobs.models import (
     ACTIVE_ATTEMPT_STATES,
@@ -72,15 +72,36 @@ def node_environments(nodes: list[Node]) -> dict[int, frozenset[str]]:
     return {n.pk: frozenset(everywhere | advertised[n.pk]) for n in nodes}
 
 
-def free_gpus(nodes: list[Node], running: list[RunningAttempt], envs: dict[int, frozenset[str]]) -> list[FreeNode]:
+def node_caches(nodes: list[Node]) -> dict[int, frozenset[str]]:
+    """The requirement keys of the cached environments each node holds (agent/envcache.py reports them)."""
+    keys: dict[int, set[str]] = defaultdict(set)
+    for node_id, held in CachedEnvironment.objects.filter(node__in=nodes).values_list("node_id", "keys"):
+        keys[node_id].update(held or [])
+    return {n.pk: frozenset(keys[n.pk]) for n in nodes}
+
+
+def free_gpus(
+    nodes: list[Node],
+    running: list[RunningAttempt],
+    envs: dict[int, frozenset[str]],
+    caches: dict[int, frozenset[str]] | None = None,
+) -> list[FreeNode]:
     """What the nodes have free: every GPU no live attempt's rank holds. A fresh list
     each call: a plan takes GPUs out of the lists it is given."""
     used: dict[int, set[int]] = defaultdict(set)
     for attempt in running:
         for node_id, gpus in attempt.placement:
             used[node_id].update(gpus)
+    caches = caches or {}
     return [
-        FreeNode(n.pk, n.gpu_model, [i for i in range(n.gpu_count) if i not in used[n.pk]], envs[n.pk], n.gpu_count)
+        FreeNode(
+            n.pk,
+            n.gpu_model,
+            [i for i in range(n.gpu_count) if i not in used[n.pk]],
+            envs[n.pk],
+            n.gpu_count,
+            caches.get(n.pk, frozenset()),
+        )
         for n in nodes
     ]
 
@@ -128,13 +149,14 @@ def queue_order():
 def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
     rows = queue_order().values(
         "pk", "project_id", "submitted_by_id", "priority", "gpus_per_node", "nodes", "gpu_type",
-        "environment__name", "max_runtime_seconds",
+        "environment__name", "max_runtime_seconds", "requirements_key",
     )[:limit]  # fmt: skip
     out, classes = [], priority_classes()
     avoid = suspected_nodes([r["pk"] for r in rows])
     for r in rows:
         cls = classes.get(r["priority"]) or priority_class(r["priority"])
-        request = Request(r["gpus_per_node"], r["gpu_type"], r["nodes"], r["environment__name"] or "")
+        env = r["environment__name"] or ""
+        request = Request(r["gpus_per_node"], r["gpu_type"], r["nodes"], env, r["requirements_key"])
         out.append(
             QueuedJob(
                 r["pk"],
@@ -198,7 +220,8 @@ def _schedule_pass() -> list[Attempt]:
             return []
         projects, running = project_limits(), running_attempts()
         mark_borrowed(running, projects)  # by the quotas as they are now
-        decided = plan(queued_jobs(), free_gpus(nodes, running, node_environments(nodes)), running, projects)
+        free = free_gpus(nodes, running, node_environments(nodes), node_caches(nodes))
+        decided = plan(queued_jobs(), free, running, projects)
         placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
         for attempt_id, job_id in decided.preemptions.items():
             preempt(attempt_id, f"preempted to make room for job {job_id}")
@@ -238,8 +261,10 @@ def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[At
         if p.job_id in jobs
     ]
     Attempt.objects.bulk_create(attempts)
+    warm = {p.job_id: [nodes[n].name for n in p.warm] for p in placements}
     JobEvent.objects.bulk_create(
-        JobEvent(job_id=a.job_id, attempt=a, kind="scheduled", message=describe_placement(a)) for a in attempts
+        JobEvent(job_id=a.job_id, attempt=a, kind="scheduled", message=describe_placement(a, warm.get(a.job_id)))
+        for a in attempts
     )
     for a in attempts:
         for rank in a.placement:
@@ -249,8 +274,10 @@ def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[At
     return attempts
 
 
-def describe_placement(attempt: Attempt) -> str:
+def describe_placement(attempt: Attempt, warm: list[str] | None = None) -> str:
     where = "; ".join(f"rank {r['rank']} on {r['node']} GPUs {r['gpus']}" for r in attempt.placement)
+    if warm:  # the scheduler's warm-cache affinity chose them among otherwise equal nodes
+        where += f" (its environment is cached on {', '.join(warm)})"
     return where + (" (borrowed beyond the project's quota)" if attempt.borrowed else "")
 
 

@@ -21,6 +21,7 @@ from jobs import dependencies, jobspec, snapshots, tokenlimits
 from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
 from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
+from jobs.models.environment import requirements_key, requirements_of
 from portal import wakeup
 from portal.models import Project, Role, VolumeMode
 
@@ -162,6 +163,7 @@ def check_gpu_limit(project: Project, total: int) -> None:
 
 def create(user, checked: dict) -> Job:
     command = checked["command"]
+    wanted = checked["environment"], checked.get("requirements") or [], checked.get("python_version") or ""
     waits = dependencies.standing(checked["depends_on"]) if checked["depends_on"] else None
     with transaction.atomic():
         tokenlimits.check(checked.get("submitted_with"), checked["gpus_per_node"] * checked["nodes"])
@@ -185,6 +187,9 @@ def create(user, checked: dict) -> Job:
             max_retries=checked["max_retries"],
             stop_on_hang=checked.get("stop_on_hang", False),
             environment=checked["environment"],
+            requirements=checked.get("requirements") or [],
+            python_version=checked.get("python_version") or "",
+            requirements_key=requirements_key(*requirements_of(*wanted)),
             max_runtime_seconds=checked.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
             code_version=checked.get("code_version") or snapshots.version_of(checked["code"]),
             snapshot=checked["snapshot"],

@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import transaction
 from django.dispatch import receiver
 
-from jobs.models import Job, JobCost
+from jobs.models import Job, JobCost, PipelineRun, PipelineStage
 from jobs.signals import attempt_finished as attempt_ended
 
 log = logging.getLogger("hangar.tracking")
@@ -120,7 +120,8 @@ def job_env(job: Job, attempt) -> dict[str, str]:
     try:
         if not job.mlflow_run_id:
             exp = experiment_id(job.project.slug)
-            run = client().create_run(exp, run_name=f"job-{job.pk} {job.name}", tags=run_tags(job, attempt))
+            tags = {**run_tags(job, attempt), **stage_tags(job, exp)}
+            run = client().create_run(exp, run_name=f"job-{job.pk} {job.name}", tags=tags)
             won = Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
                 mlflow_experiment_id=exp, mlflow_run_id=run.info.run_id, tracking_error=""
             )
@@ -141,6 +142,42 @@ def job_env(job: Job, attempt) -> dict[str, str]:
         "MLFLOW_EXPERIMENT_ID": job.mlflow_experiment_id,
         "MLFLOW_RUN_ID": job.mlflow_run_id,
     }
+
+
+def stage_tags(job: Job, experiment: str) -> dict[str, str]:
+    """A pipeline stage's run is nested under its pipeline run's parent run (made by its first stage)."""
+    stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run").first()
+    if stage is None:
+        return {}
+    return {
+        "mlflow.parentRunId": parent_run_id(stage.run, experiment),
+        "hangar.pipeline_run": str(stage.run_id),
+        "hangar.pipeline_stage": stage.name,
+    }
+
+
+def parent_run_id(run: PipelineRun, experiment: str) -> str:
+    if not run.mlflow_run_id:
+        tags = {"hangar.pipeline_run": str(run.pk), "hangar.project": run.project.slug}
+        parent = client().create_run(experiment, run_name=f"pipeline-{run.pk} {run.name}", tags=tags)
+        won = PipelineRun.objects.filter(pk=run.pk, mlflow_run_id="").update(
+            mlflow_experiment_id=experiment, mlflow_run_id=parent.info.run_id
+        )
+        if not won:  # two stages started at once: the other one's parent is the run's
+            client().delete_run(parent.info.run_id)
+        run.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
+    return run.mlflow_run_id
+
+
+def close_parent_run(run: PipelineRun, state: str) -> None:
+    """The pipeline run is over: its parent run ends with the state it ended in."""
+    if not enabled():
+        return
+    try:
+        client().set_tag(run.mlflow_run_id, "hangar.state", state)
+        client().set_terminated(run.mlflow_run_id, status=RUN_STATUS[state])
+    except Exception as exc:  # MLflow down: the stages' own runs say how they ended
+        log.warning("pipeline run %s: closing its MLflow run failed: %s", run.pk, exc)
 
 
 @receiver(attempt_ended)

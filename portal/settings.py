@@ -456,6 +456,9 @@ HANGAR_JOB_MEMORY_LIMIT_MB = env_int("HANGAR_JOB_MEMORY_LIMIT_MB", 0, minimum=0)
 # after committing a placement, before publishing its task. Never set it in production.
 HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH = env_bool("HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH", False)
 HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
+# One directory per pipeline run (HANGAR_PIPELINE_DIR in every stage, jobs/pipelines.py). On a
+# fleet of several nodes it must be a filesystem every node mounts at the same path.
+HANGAR_PIPELINE_ROOT = Path(env_str("HANGAR_PIPELINE_ROOT", str(DATA_DIR / "pipelines")))
 # Where jobs' checkpoint directories live (ROOT/<job id>). Unset: in each node's job directory,
 # so a job requeued onto another host starts without its checkpoint (its log says so). On a
 # fleet of several hosts, point it at storage every node mounts at the same path.
@@ -551,6 +554,15 @@ HANGAR_PREEMPT_GRACE_SECONDS = env_float("HANGAR_PREEMPT_GRACE_SECONDS", 60.0)
 HANGAR_MAX_PREEMPTIONS = env_int("HANGAR_MAX_PREEMPTIONS", 20, minimum=0)
 HANGAR_MASTER_PORT_BASE = env_int("HANGAR_MASTER_PORT_BASE", 29500, minimum=1024)
 HANGAR_DOCKER = env_str("HANGAR_DOCKER", "docker")
+# --- Cached Python environments (agent/envcache.py) -------------------------
+# Job uids must reach it (search permission on its parents: not under /root on a sandboxing node).
+HANGAR_ENV_CACHE_DIR = Path(env_str("HANGAR_ENV_CACHE_DIR", str(DATA_DIR / "envs")))
+HANGAR_ENV_CACHE_GB = env_float("HANGAR_ENV_CACHE_GB", 50.0)  # past it, least recently used environments go
+HANGAR_ENV_RESOLVE_SECONDS = env_float("HANGAR_ENV_RESOLVE_SECONDS", 86400.0)  # a resolution is reused this long
+HANGAR_ENV_BUILD_TIMEOUT_SECONDS = env_float("HANGAR_ENV_BUILD_TIMEOUT_SECONDS", 1800.0, minimum=1.0)
+# Interpreters environments are built from (paths); empty: python3 / python3.X on the agent's PATH.
+HANGAR_ENV_PYTHONS = env_list("HANGAR_ENV_PYTHONS", [])
+HANGAR_UV = env_str("HANGAR_UV")  # the uv binary; empty: the one installed with Hangar (requirements.txt)
 # --- Fleet health ----------------------------------------------------------
 # Finding kinds (ecc, gpu_lost, nccl, thermal, power; Xids follow the Xid policy
 # table) that cordon the node, and those that also stop and requeue its job.

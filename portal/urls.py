@@ -25,6 +25,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     *password_reset_urls,
     path("jobs/", include("jobs.urls")),
+    path("pipelines/", include("jobs.urls_pipelines")),
     path("tokens/", views.tokens, name="tokens"),
     path("tokens/<int:pk>/revoke/", views.revoke_token, name="token-revoke"),
     path("fleet/", include("fleet.urls")),

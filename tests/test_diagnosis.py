@@ -133,7 +133,7 @@ def test_a_gpu_fault_only_the_jobs_output_claims_is_not_presented_as_fact():
 
 
 def test_every_category_has_a_name():
-    assert len(set(diagnosis.CATEGORIES)) == 18
+    assert len(set(diagnosis.CATEGORIES)) == 19
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import re
 import pytest
 from django.test import Client
 
-from jobs.models import Job, JobState, Snapshot, Sweep
+from jobs.models import Job, JobState, PipelineRun, PipelineStage, Snapshot, Sweep
 from portal.models import ApiToken, Membership, Role, Volume
 from tests.factories import api_client, make_job, make_node, make_snapshot, token_client
 from tests.test_access import close_code
@@ -36,21 +36,39 @@ def lab(roles, tmp_path):
     snapshot = make_snapshot(roles["lab"], roles["member"], {"train.py": f"print('{MARKER}')"}, tmp_path)
     code = {"snapshot": snapshot.sha256, "branch": MARKER}
     job = make_job(
-        roles["lab"], roles["member"], name=MARKER, env={"MARK": MARKER}, snapshot=snapshot, code=code, code_diff=MARKER
+        roles["lab"],
+        roles["member"],
+        name=MARKER,
+        env={"MARK": MARKER},
+        snapshot=snapshot,
+        code=code,
+        code_diff=MARKER,
+        requirements=[MARKER],
     )
     token, _ = ApiToken.issue(roles["member"], MARKER)
     volume = Volume.objects.create(project=roles["lab"], name="data", path=f"/{MARKER}")
+    pipeline = PipelineRun.objects.create(project=roles["lab"], submitted_by=roles["member"], name=MARKER)
+    PipelineStage.objects.create(run=pipeline, name="only", position=0, job=job)
     sweep = Sweep.objects.create(
         project=roles["lab"], submitted_by=roles["member"], name=MARKER, key=MARKER, base={"command": [MARKER]},
         params=[{"env.MARK": MARKER}], max_parallel=1, objective={"metric": MARKER, "mode": "min"},
     )  # fmt: skip
-    return {"node": node, "job": job, "token": token, "volume": volume, "sweep": sweep, "snapshot": snapshot, **roles}
+    return {
+        "node": node,
+        "job": job,
+        "token": token,
+        "volume": volume,
+        "pipeline": pipeline,
+        "sweep": sweep,
+        "snapshot": snapshot,
+        **roles,
+    }
 
 
 def fill(path: str, lab: dict) -> str:
-    ids = {"/api/v1/tokens/": lab["token"].pk, "/api/v1/sweeps/": lab["sweep"].pk}
+    ids = {"tokens": lab["token"].pk, "pipelines": lab["pipeline"].pk, "sweeps": lab["sweep"].pk}
     values = {
-        "id": next((pk for prefix, pk in ids.items() if path.startswith(prefix)), lab["job"].pk),
+        "id": ids.get(path.split("/")[3], lab["job"].pk),
         "slug": "lab",
         "project_slug": "lab",
         "username": "lab-member",
@@ -96,6 +114,7 @@ def sweep(client, lab) -> list[str]:
 
 def assert_nothing_changed(lab) -> None:
     assert Job.objects.filter(project=lab["lab"]).count() == 1
+    assert PipelineRun.objects.filter(project=lab["lab"]).count() == 1
     assert Job.objects.get(pk=lab["job"].pk).state == JobState.QUEUED
     assert ApiToken.objects.get(pk=lab["token"].pk).revoked_at is None
     assert Volume.objects.filter(pk=lab["volume"].pk).exists()
@@ -108,7 +127,7 @@ def assert_nothing_changed(lab) -> None:
 
 def test_the_sweep_covers_every_area_of_the_api(db):
     paths = {path for path, _ in schema_operations()}
-    for area in ("jobs", "projects", "tokens", "audit", "nodes", "sweeps"):
+    for area in ("jobs", "pipelines", "sweeps", "projects", "tokens", "audit", "nodes"):
         assert any(p.startswith(f"/api/v1/{area}/") for p in paths), area
 
 

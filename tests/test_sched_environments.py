@@ -68,7 +68,13 @@ def test_a_job_without_an_environment_runs_its_command_as_is(project, owner):
 
 
 def test_built_in_environments_exist(db):
-    assert dict(Environment.objects.values_list("name", "everywhere")) == {"cuda": True, "ai": False}
+    assert dict(Environment.objects.values_list("name", "everywhere")) == {"cuda": True, "ai": True}
+
+
+def test_the_ai_environment_is_a_cached_one_built_on_demand(db):
+    ai = Environment.objects.get(name="ai")
+
+    assert ai.cached and ai.requirements == ["torch", "transformers"] and not ai.path
 
 
 def test_a_node_advertises_its_environments(db):

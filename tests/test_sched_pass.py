@@ -104,8 +104,9 @@ def test_a_scheduled_victim_is_preempted_at_once(project, owner, node, run_pass)
 def test_a_job_goes_only_to_nodes_with_its_environment(project, owner, run_pass):
     make_node("node-a", gpus=4)
     b = make_node("node-b", gpus=4)
-    Environment.objects.get(name="ai").nodes.add(b)
-    job = make_job(project, owner, environment=Environment.objects.get(name="ai"))
+    advertised = Environment.objects.create(name="torch1", path="/opt/envs/torch1")
+    advertised.nodes.add(b)
+    job = make_job(project, owner, environment=advertised)
 
     run_pass()
 

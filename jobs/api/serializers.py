@@ -70,6 +70,32 @@ class ArgvField(serializers.ListField):
         return argv
 
 
+@extend_schema_field(
+    {
+        "oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}],
+        "example": ["six==1.17.0", "numpy>=2"],
+    }
+)
+class RequirementsField(serializers.Field):
+    """Python requirements: a list of specifiers, or a requirements.txt's text (one a line)."""
+
+    default_error_messages = {
+        "invalid": 'must be a list of requirement specifiers, e.g. ["six==1.17.0", "numpy>=2"], or the text '
+        "of a requirements.txt; got {input_type}"
+    }
+
+    def to_internal_value(self, data) -> list[str]:
+        if not isinstance(data, str) and not (isinstance(data, list) and all(isinstance(x, str) for x in data)):
+            self.fail("invalid", input_type=type_name(data))
+        try:
+            return jobspec.parse_requirements(data)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc))
+
+    def to_representation(self, value) -> list[str]:
+        return list(value)
+
+
 def check_env_names(env: dict) -> dict:
     for key in env:
         if not ENV_NAME.match(key):
@@ -206,6 +232,14 @@ class JobSubmitSerializer(serializers.Serializer):
         required=False, default=False, help_text="End the attempt when a hang is suspected (HANGAR_HANG_SECONDS)."
     )
     environment = Text(required=False, allow_blank=True, max_length=64)
+    requirements = RequirementsField(
+        required=False,
+        help_text="Python packages of its cached environment, built once per node (uv) and reused: a list of "
+        "specifiers or a requirements.txt's text.",
+    )
+    python_version = Text(
+        required=False, allow_blank=True, max_length=16, help_text="With requirements: e.g. 3.11; blank: the node's."
+    )
     max_runtime_seconds = serializers.IntegerField(
         required=False,
         min_value=1,
@@ -260,6 +294,11 @@ class JobSubmitSerializer(serializers.Serializer):
             except PatternError as exc:
                 raise serializers.ValidationError(exc.message)
         return text
+
+    def validate_python_version(self, version: str) -> str:
+        if problem := jobspec.python_problem(version):
+            raise serializers.ValidationError(problem)
+        return version
 
     def validate_secret_env(self, env: dict) -> dict:
         env = check_env_names(env)
@@ -356,6 +395,7 @@ class AttemptSerializer(serializers.ModelSerializer):
             "diagnosis",
             "hang_suspected",
             "straggler",
+            "environment",
         ]
 
     @extend_schema_field(DiagnosisSerializer(allow_null=True))
@@ -400,6 +440,8 @@ class JobSerializer(serializers.ModelSerializer):
             "priority",
             "preemptible",
             "environment",
+            "requirements",
+            "python_version",
             "max_runtime_seconds",
             "max_retries",
             "retries",
@@ -448,6 +490,8 @@ class JobSerializer(serializers.ModelSerializer):
             "priority": job.priority,
             "preemptible": job.preemptible,
             "environment": job.environment.name if job.environment_id is not None else None,
+            "requirements": job.requirements,
+            "python_version": job.python_version,
             "max_runtime_seconds": job.max_runtime_seconds,
             "max_retries": job.max_retries,
             "retries": job.retries,

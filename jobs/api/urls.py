@@ -5,6 +5,7 @@ from jobs.api.costs import CostJobsView, CostSummaryView
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.notify import SubscriptionViewSet
+from jobs.api.pipelines import PipelineViewSet
 from jobs.api.snapshots import JobCodeDiffView, JobCodeView, SnapshotView
 from jobs.api.sweeps import SweepViewSet
 from jobs.api.tokens import CurrentTokenUsageView, TokenUsageView
@@ -13,6 +14,7 @@ from jobs.api.views import JobViewSet, PriorityListView, QueueView
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="api-job")
 router.register("sweeps", SweepViewSet, basename="api-sweep")
+router.register("pipelines", PipelineViewSet, basename="api-pipeline")
 router.register("subscriptions", SubscriptionViewSet, basename="api-subscription")
 urlpatterns = [
     path("queue/", QueueView.as_view(), name="api-queue"),

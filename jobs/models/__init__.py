@@ -7,6 +7,7 @@ from jobs.models.environment import Environment, EnvironmentKind
 from jobs.models.job import Job, JobEvent, JobQuerySet
 from jobs.models.logs import LogLine, Severity, Stream
 from jobs.models.notify import Channel, Delivery, DeliveryState, Event, Subscription
+from jobs.models.pipeline import PipelineRun, PipelineRunQuerySet, PipelineStage, PipelineState, pipeline_state
 from jobs.models.snapshot import Snapshot, SnapshotChunk
 from jobs.models.states import (
     ACTIVE_ATTEMPT_STATES,
@@ -43,6 +44,10 @@ __all__ = [
     "JobQuerySet",
     "JobState",
     "LogLine",
+    "PipelineRun",
+    "PipelineRunQuerySet",
+    "PipelineStage",
+    "PipelineState",
     "Priority",
     "PriorityClass",
     "Severity",
@@ -55,6 +60,7 @@ __all__ = [
     "attempt_cost_of",
     "lease_from",
     "next_month",
+    "pipeline_state",
     "priority_class",
     "priority_classes",
     "requeue_for",

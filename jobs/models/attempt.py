@@ -47,6 +47,9 @@ class Attempt(models.Model):
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     rank_status = models.JSONField(default=dict, blank=True, help_text="By rank: its exit code once it ended.")
     diagnosis = models.JSONField(default=dict, blank=True, help_text="Why it failed (jobs/diagnosis.py); hang flags.")
+    environment = models.JSONField(
+        default=dict, blank=True, help_text="Its cached environment on rank 0's node: hash, python, packages, cached."
+    )
 
     class Meta:
         ordering = ["job", "number"]
@@ -100,15 +103,19 @@ class Attempt(models.Model):
             Attempt.objects.filter(pk=self.pk).update(**update)
         return True
 
-    def mark_running(self, pid: int) -> bool:
-        """A rank's command started. The first one moves the attempt (and job) to running."""
+    def mark_running(self, pid: int, environment: dict | None = None) -> bool:
+        """A rank's command started. The first one moves the attempt (and job) to running.
+        `environment`: the cached environment it runs in (rank 0's), recorded in the same write."""
         now = timezone.now()
+        recorded = {"environment": environment} if environment else {}
         with transaction.atomic():
             ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.PREFLIGHT).update(
-                state=AttemptState.RUNNING, running_at=now, pid=pid, lease_expires_at=lease_from(now)
+                state=AttemptState.RUNNING, running_at=now, pid=pid, lease_expires_at=lease_from(now), **recorded
             )
             if ok:
                 Job.objects.filter(pk=self.job_id, state=JobState.PREFLIGHT).update(state=JobState.RUNNING)
+            elif recorded:
+                ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).update(**recorded)
             else:
                 ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).exists()
         return bool(ok)

@@ -1,4 +1,8 @@
-"""Where a job's command runs, and which nodes can run it."""
+"""Where a job's command runs, and which nodes can run it; and the Python requirements a
+job's cached environment is built from (agent/envcache.py builds it on the node)."""
+
+import hashlib
+import json
 
 from django.db import models, transaction
 
@@ -24,6 +28,13 @@ class Environment(models.Model):
         max_length=500, blank=True, help_text="Host kind: a virtualenv or prefix; its bin/ goes first on PATH."
     )
     image = models.CharField(max_length=300, blank=True, help_text="Container kind: the image to run.")
+    requirements = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Host kind without a path: requirements of a cached environment built on demand on each node, "
+        'e.g. ["torch", "transformers"].',
+    )
+    python_version = models.CharField(max_length=16, blank=True, help_text="Cached kind: e.g. 3.11; blank: the node's.")
     everywhere = models.BooleanField(default=False, help_text="Every node can run it.")
     nodes = models.ManyToManyField("fleet.Node", blank=True, related_name="environments")
 
@@ -32,6 +43,24 @@ class Environment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """The admin's form: requirements by the submit's rules, normalised (jobs/jobspec.py)."""
+        from django.core.exceptions import ValidationError
+
+        from jobs import jobspec
+
+        try:
+            self.requirements = jobspec.parse_requirements(self.requirements or [])
+        except (TypeError, ValueError) as exc:
+            raise ValidationError({"requirements": str(exc)})
+        if problem := jobspec.python_problem(self.python_version):
+            raise ValidationError({"python_version": problem})
+
+    @property
+    def cached(self) -> bool:
+        """Built on demand from requirements on whichever node runs it (so every node can)."""
+        return self.kind == EnvironmentKind.HOST and not self.path and bool(self.requirements)
 
     @classmethod
     def advertise(cls, node, names: list[str]) -> list[str]:
@@ -45,3 +74,29 @@ class Environment(models.Model):
                 environment.nodes.add(node)
         wakeup.request_pass()  # what the node can run changed, and it may be new: place work now
         return sorted(set(names) - set(known))
+
+
+KEY_VERSION = "hangar-env-1"
+
+
+def requirements_key(requirements: list[str], python_version: str) -> str:
+    """What a job asks for, hashed: the same list (in any order) and Python version give the
+    same key. A node maps a key to the exact environment it resolved it to (agent/envcache.py);
+    the scheduler prefers nodes that hold one (warm-cache affinity). Empty: no requirements."""
+    if not requirements:
+        return ""
+    text = json.dumps([KEY_VERSION, python_version, sorted(set(requirements))])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def requirements_of(environment, requirements: list[str], python_version: str) -> tuple[list[str], str]:
+    """The requirements and Python version of a job's cached environment: its environment's
+    (a cached one, like `ai`) and its own; ([], "") when it has none."""
+    own = list(requirements or [])
+    if environment is not None and environment.cached:
+        return sorted({*environment.requirements, *own}), python_version or environment.python_version
+    return sorted(set(own)), python_version if own else ""
+
+
+def job_requirements(job) -> tuple[list[str], str]:
+    return requirements_of(job.environment, job.requirements, job.python_version)

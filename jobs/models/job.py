@@ -52,6 +52,13 @@ class Job(models.Model):
         null=True, blank=True, help_text="Blank: as its priority class says. True makes any class preemptible."
     )
     environment = models.ForeignKey(Environment, null=True, blank=True, on_delete=models.PROTECT, related_name="jobs")
+    requirements = models.JSONField(
+        default=list, blank=True, help_text="Python requirements of its cached environment (one specifier each)."
+    )
+    python_version = models.CharField(max_length=16, blank=True, help_text="e.g. 3.11; blank: the node's python3.")
+    requirements_key = models.CharField(
+        max_length=64, blank=True, help_text="requirements_key() of what it asks for: the scheduler's cache affinity."
+    )
     max_runtime_seconds = models.PositiveIntegerField()
     max_retries = models.PositiveSmallIntegerField(default=0, help_text="Retries after the command itself failed.")
     stop_on_hang = models.BooleanField(default=False, help_text="End an attempt whose hang is suspected.")

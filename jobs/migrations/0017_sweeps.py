@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0014_results'),
+        ('jobs', '0016_results'),
         ('portal', '0005_token_limits'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]

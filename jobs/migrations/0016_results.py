@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0013_snapshots'),
+        ('jobs', '0015_pipelines'),
         ('portal', '0005_token_limits'),
     ]
 
