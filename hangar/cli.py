@@ -649,7 +649,17 @@ def cmd_cost(args) -> int:
     return EXIT_OK
 
 
-# --- the parser ------------------------------------------------------------------------
+def cmd_skill(args) -> int:
+    """Print the skill file shipped in the package (hangar/skill.md): the experiment loop,
+    condensed, for an AI coding agent to load. Needs no server and no login."""
+    from importlib.resources import files
+
+    text = files("hangar").joinpath("skill.md").read_text(encoding="utf-8")
+    if args.json:
+        print(json.dumps({"format": "markdown", "text": text}))
+    else:
+        print(text, end="")
+    return EXIT_OK
 
 
 # --- pipelines ----------------------------------------------------------------------
@@ -926,6 +936,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--reason", required=True)
 
     pipeline_commands(sub, common)
+
+    command("skill", cmd_skill, "print the skill file: the experiment loop for AI agents (commands, exit codes, JSON)")
 
     p = command("cost", cmd_cost, "spend by project, user, GPU type or day")
     p.add_argument("-p", "--project")
