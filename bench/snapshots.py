@@ -69,6 +69,14 @@ def measure(client: Client, root: Path, runs: int, requests: list) -> dict:
     }
 
 
+def measure_on(stack: LiveStack, root: Path, runs: int) -> dict:
+    """`measure` through a client of the stack's token that counts its requests."""
+    requests: list = []
+    client = Client(stack.url, stack.token)
+    client.http.event_hooks["request"] = [requests.append]
+    return measure(client, root, runs, requests)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 runs")
@@ -80,10 +88,7 @@ def main() -> int:
     try:
         make_tree(root, args.mb)
         with LiveStack(env=UNSANDBOXED) as stack:
-            requests: list = []
-            client = Client(stack.url, stack.token)
-            client.http.event_hooks["request"] = [requests.append]
-            figures = measure(client, root, runs, requests)
+            figures = measure_on(stack, root, runs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(

@@ -59,30 +59,35 @@ def run(variants: int, seconds: float) -> dict:
     with LiveStack(env={**UNSANDBOXED, "HANGAR_SIM_GPUS": "4"}) as stack:
         stack.start_agent("node-b", gpus=4)
         warm_up(stack)
-        started = time.monotonic()
-        created = stack.api("POST", "/api/v1/sweeps/", json=sweep_file(variants, seconds))
-        created.raise_for_status()
-        sweep_id = created.json()["id"]
-        while True:
-            now = states(stack)
-            if len(now) == variants and all(s in ("succeeded", "failed", "cancelled") for s in now):
-                break
-            if time.monotonic() - started > 600:
-                raise RuntimeError(f"the sweep did not end in 600 s: {now}\n{stack.output()}")
-            time.sleep(0.1)
-        wall = time.monotonic() - started
-        t0 = time.monotonic()
-        doc = stack.api("GET", f"/api/v1/sweeps/{sweep_id}/").json()
-        cold_ms = (time.monotonic() - t0) * 1000  # the web process's first MLflow use opens its client
-        t0 = time.monotonic()
-        doc = stack.api("GET", f"/api/v1/sweeps/{sweep_id}/").json()
-        read_ms = (time.monotonic() - t0) * 1000
-        t0 = time.monotonic()
-        stack.api("GET", f"/api/v1/jobs/{doc['best']['job']}/result/").raise_for_status()
-        result_ms = (time.monotonic() - t0) * 1000
-        failed = sum(1 for s in now if s != "succeeded")
-        assert doc["best"]["params"] == {"env.I": "0"}, doc["best"]
-        times = [stack.api("GET", f"/api/v1/jobs/{r['job']}/result/").json()["times"] for r in doc["runs"]]
+        return time_sweep(stack, variants, seconds)
+
+
+def time_sweep(stack: LiveStack, variants: int, seconds: float) -> dict:
+    """Create the sweep and time it until its last variant ended; read it and its results."""
+    started = time.monotonic()
+    created = stack.api("POST", "/api/v1/sweeps/", json=sweep_file(variants, seconds))
+    created.raise_for_status()
+    sweep_id = created.json()["id"]
+    while True:
+        now = states(stack)
+        if len(now) == variants and all(s in ("succeeded", "failed", "cancelled") for s in now):
+            break
+        if time.monotonic() - started > 600:
+            raise RuntimeError(f"the sweep did not end in 600 s: {now}\n{stack.output()}")
+        time.sleep(0.1)
+    wall = time.monotonic() - started
+    t0 = time.monotonic()
+    doc = stack.api("GET", f"/api/v1/sweeps/{sweep_id}/").json()
+    cold_ms = (time.monotonic() - t0) * 1000  # the web process's first MLflow use opens its client
+    t0 = time.monotonic()
+    doc = stack.api("GET", f"/api/v1/sweeps/{sweep_id}/").json()
+    read_ms = (time.monotonic() - t0) * 1000
+    t0 = time.monotonic()
+    stack.api("GET", f"/api/v1/jobs/{doc['best']['job']}/result/").raise_for_status()
+    result_ms = (time.monotonic() - t0) * 1000
+    failed = sum(1 for s in now if s != "succeeded")
+    assert doc["best"]["params"] == {"env.I": "0"}, doc["best"]
+    times = [stack.api("GET", f"/api/v1/jobs/{r['job']}/result/").json()["times"] for r in doc["runs"]]
     phases = {k: sum(t[f"{k}_seconds"] for t in times) / len(times) for k in ("queued", "preflight", "running")}
     ideal = math.ceil(variants / PARALLEL) * seconds
     return {"variants": variants, "failed": failed, "wall_s": wall, "ideal_s": ideal, "efficiency": ideal / wall,
