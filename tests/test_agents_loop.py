@@ -72,6 +72,19 @@ def test_every_exit_code_the_docs_list_is_one_the_cli_uses():
     assert listed == used
 
 
+def test_the_driver_edits_only_its_constants_and_proposes_four_distinct_neighbours():
+    driver = driver_module()
+    text = (EXAMPLE / "train.py").read_text()
+    parent = driver.constants_of(text)
+    for number in (1, 2, 3):
+        proposed = driver.proposals(parent, number)
+        assert len({json.dumps(p, sort_keys=True) for p in proposed} | {json.dumps(parent, sort_keys=True)}) == 5
+        edited = driver.with_constants(text, proposed[0])
+        assert driver.constants_of(edited) == proposed[0]
+        changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines(), strict=True) if a != b]
+        assert all(a.split(" = ")[0] in driver.CONSTANTS for a, _ in changed)
+
+
 # --- the example, end to end ------------------------------------------------------------
 
 
