@@ -128,7 +128,8 @@ def frees(used: Usage, now: datetime) -> tuple[int, str]:
         return NO_ESTIMATE_RETRY_SECONDS, "a slot frees when one of them ends or is cancelled"
     seconds = int((used.soonest_end - now).total_seconds())
     wait = min(max(1, seconds), MAX_RETRY_SECONDS)
-    return wait, f"one frees when a job ends: at the latest by {used.soonest_end:%H:%M:%S} UTC (its max runtime)"
+    end = used.soonest_end.astimezone(UTC)
+    return wait, f"one frees when a job ends: at the latest by {end:%Y-%m-%d %H:%M:%S} UTC (its max runtime)"
 
 
 def check(token_id: int | None, gpus: int) -> None:

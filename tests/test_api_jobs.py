@@ -4,7 +4,7 @@ import pytest
 
 from jobs.models import Job, JobState
 from portal.models import AuditEvent, Role, Volume
-from tests.factories import api_client, make_attempt, make_job, make_node, token_client
+from tests.factories import api_client, make_attempt, make_job, make_node, make_snapshot, token_client
 
 SUBMIT = {"project": "lab", "command": ["python", "train.py"]}
 
@@ -37,6 +37,25 @@ def test_the_key_may_come_as_a_field(roles, gpus):
     client = api_client(roles["member"])
     ids = {submit(client, idempotency_key="k").json()["id"] for _ in range(3)}
     assert len(ids) == 1 and Job.objects.get().idempotency_key == "k"
+
+
+def test_a_key_reused_for_other_code_or_env_is_a_conflict_and_the_same_submit_is_a_replay(roles, gpus, tmp_path):
+    """An agent's variants differ in their code snapshot or env, not their command: a key reused
+    for another variant must not hand back the first variant's job."""
+    client = api_client(roles["member"])
+    first = make_snapshot(roles["lab"], roles["member"], {"train.py": "LR = 0.1"}, tmp_path / "a")
+    second = make_snapshot(roles["lab"], roles["member"], {"train.py": "LR = 0.2"}, tmp_path / "b")
+    job = submit(client, idempotency_key="v1", code={"snapshot": first.sha256}, env={"LR": "0.1"}).json()
+    assert "id" in job, job
+
+    again = submit(client, idempotency_key="v1", code={"snapshot": first.sha256}, env={"LR": "0.1"})
+    other_code = submit(client, idempotency_key="v1", code={"snapshot": second.sha256}, env={"LR": "0.1"})
+    other_env = submit(client, idempotency_key="v1", code={"snapshot": first.sha256}, env={"LR": "0.2"})
+
+    assert again.status_code == 200 and again.json()["id"] == job["id"]
+    assert other_code.status_code == 409 and "another code" in other_code.json()["message"]
+    assert other_env.status_code == 409 and "another env" in other_env.json()["message"]
+    assert Job.objects.count() == 1
 
 
 def test_a_key_reused_for_another_command_is_a_conflict(roles, gpus):

@@ -37,6 +37,26 @@ class AlreadyEnded(APIException):
     default_code = "already_ended"
 
 
+def replay_differences(job: Job, data: dict) -> list[str]:
+    """What a submit retried with a job's Idempotency-Key asks for differently from that job:
+    its project, command, code snapshot or environment variables (an agent's variants differ
+    in these); empty when it is the same submit."""
+    code = data.get("code") if isinstance(data.get("code"), dict) else {}
+    asked = {
+        "project": data.get("project"),
+        "command": data.get("command"),
+        "code": code.get("snapshot") or "",
+        "env": data.get("env") or {},
+    }
+    had = {
+        "project": job.project.slug,
+        "command": job.command,
+        "code": job.code.get("snapshot") or "",
+        "env": job.env,
+    }
+    return [name for name in asked if asked[name] != had[name]]
+
+
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
     queryset = Job.objects.none()  # for the schema; requests use get_queryset
@@ -86,9 +106,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job = Job.objects.filter(submitted_by=self.request.user, idempotency_key=key).first()
         if job is None:
             return None
-        if data.get("command") != job.command or data.get("project") != job.project.slug:
+        if differs := replay_differences(job, data):
             raise IdempotencyConflict(
-                f"Idempotency-Key {key!r} was used for job {job.pk} with another project or command; "
+                f"Idempotency-Key {key!r} was used for job {job.pk} with another {' and '.join(differs)}; "
                 "use a new key for a different job"
             )
         return Response(JobSerializer(job).data, status=status.HTTP_200_OK, headers={"Idempotent-Replayed": "true"})
