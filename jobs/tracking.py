@@ -193,9 +193,11 @@ def attempt_finished(job_id: int) -> None:
         return
     try:
         cost = JobCost.objects.filter(pk=job_id).values_list("cost", flat=True).first() or 0
+        from mlflow.entities import RunTag
+
         c = client()
-        c.set_tag(job.mlflow_run_id, "hangar.cost", f"{cost:.4f}")
-        c.set_tag(job.mlflow_run_id, "hangar.state", job.state)
+        tags = [RunTag("hangar.cost", f"{cost:.4f}"), RunTag("hangar.state", job.state)]
+        c.log_batch(job.mlflow_run_id, tags=tags)  # one round trip (a store transaction), not one per tag
         if job.is_final:
             c.set_terminated(job.mlflow_run_id, status=RUN_STATUS[job.state])
     except Exception as exc:
