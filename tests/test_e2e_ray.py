@@ -99,6 +99,7 @@ def test_a_ray_job_on_two_nodes_runs_its_driver_with_both(stack):
     lines = lines_of(stack, job["id"])
     texts = [line["text"] for line in lines]
     assert done["state"] == "succeeded", texts[-40:]
+    assert len(done["attempts"]) == 1  # no requeue hides a cluster that did not form
 
     ran = sorted(text for text in texts if text.startswith("ran on ray node"))
     assert len(ran) == 2 and {text.split()[6] for text in ran} == {"0", "1"}, ran

@@ -186,3 +186,19 @@ def test_a_ray_job_in_a_project_without_network_is_refused(submit, project):
     project.network = "none"
     project.save(update_fields=["network"])
     assert_refused(submit(launcher="ray", requirements=["ray==2.60.0"]), "launcher", "network host")
+
+
+def test_the_form_asks_for_the_ray_launcher_and_the_job_page_shows_it(project, owner, node):
+    from django.test import Client
+
+    client = Client()
+    client.force_login(owner)
+    form = {"project": "vision", "command": "python driver.py", "gpus_per_node": 1, "max_runtime_seconds": 60}
+
+    refused = client.post("/jobs/new/", {**form, "launcher": "ray"})
+    created = client.post("/jobs/new/", {**form, "launcher": "ray", "requirements": "ray==2.60.0\n"}, follow=True)
+
+    assert "launcher ray needs ray in the job&#x27;s environment" in refused.content.decode()
+    assert Job.objects.get().launcher == Launcher.RAY
+    page = created.content.decode()
+    assert "Launcher" in page and "rank 0 runs the command as the driver" in page
