@@ -21,7 +21,9 @@ MASTER_PORT (attempt id mod SLOTS): the GCS at the block's start, then RANK_PORT
 import hashlib
 import hmac
 import json
+import os
 import re
+import select
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -129,6 +131,40 @@ def ray_env(token: str, head_addr: str, p: Ports) -> dict[str, str]:
     }
 
 
+# Rank 0's agent watches the cluster form with this, run by the environment's python: the GCS's
+# node table, a line a quarter second (`ray status` takes seconds of CPU a call and lags behind
+# it). GcsClient is what `ray status` itself uses; where it is missing the agent falls back to
+# `ray status` (exit code 3).
+JOIN_WATCHER = """\
+import json, sys, time
+try:
+    from ray._raylet import GcsClient
+    client = GcsClient(address=sys.argv[1])
+except (ImportError, AttributeError, TypeError) as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    sys.exit(3)
+while True:
+    try:
+        alive = [n for n in client.get_all_node_info(timeout=5).values() if n.state == 0]
+        ranks = [int(k[12:]) for n in alive for k in n.resources_total if k.startswith("hangar_rank_")]
+        print(json.dumps({"alive": len(alive), "ranks": sorted(ranks)}), flush=True)
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
+    time.sleep(0.25)
+"""
+
+
+def watched(line: str) -> tuple[int, set[int], str]:
+    """(alive nodes, the ranks among them, error) from one line of JOIN_WATCHER."""
+    try:
+        seen = json.loads(line)
+    except ValueError:
+        return 0, set(), f"unreadable: {line[:200]!r}"
+    if not isinstance(seen, dict):
+        return 0, set(), f"unreadable: {line[:200]!r}"
+    return int(seen.get("alive", 0)), set(seen.get("ranks", [])), str(seen.get("error", ""))
+
+
 ACTIVE_NODE = re.compile(r"^\s*(\d+)\s+node_[0-9a-f]+\s*$")
 
 
@@ -176,6 +212,48 @@ def clean_up(workdir: Path, tmp: str) -> None:
     host when the job ran unsandboxed; a sandbox's /tmp went with it)."""
     (workdir / GO_FILE).unlink(missing_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Watch:
+    """What the cluster holds now, as JOIN_WATCHER reports it (or `ray status`, where it cannot)."""
+
+    def __init__(self, bin_dir: Path | None, env: dict[str, str], address: str):
+        self.bin_dir, self.env, self.address = bin_dir, env, address
+        python = str(bin_dir / "python") if bin_dir is not None else "python"
+        self.proc = subprocess.Popen(
+            [python, "-c", JOIN_WATCHER, address],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.buffer = b""
+        self.last: tuple[int, set[int], str] = (0, set(), "")
+        self.fallback = False
+
+    def look(self, timeout: float) -> tuple[int, set[int], str]:
+        """(alive nodes, their ranks, error): the latest report within `timeout` seconds."""
+        if not self.fallback:
+            fd = self.proc.stdout.fileno()
+            if select.select([fd], [], [], timeout)[0]:
+                chunk = os.read(fd, 65536)
+                self.buffer += chunk
+                *lines, self.buffer = self.buffer.split(b"\n")
+                if lines:
+                    self.last = watched(lines[-1].decode(errors="replace"))
+                if chunk:
+                    return self.last
+            if self.proc.poll() is None:
+                return self.last
+            self.fallback = True  # no GcsClient in this ray: ask `ray status`
+        text, error = status(self.bin_dir, self.env, self.address)
+        return active_nodes(text), joined_ranks(text), error or self.last[2]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
 
 
 def status(prefix_bin: Path | None, env: dict[str, str], address: str) -> tuple[str, str]:

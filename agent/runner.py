@@ -599,16 +599,31 @@ class Runner:
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env.update(raycluster.ray_env(self.ray_token(), self.master_addr(), self.ray_ports()))
         address, expected, limit = env["RAY_ADDRESS"], self.world_size, settings.HANGAR_RAY_JOIN_SECONDS
-        start, text = time.monotonic(), ""
-        while True:
-            if self.stop_requested is not None or not self.current or self.proc.poll() is not None:
-                return  # cancelled, ended elsewhere, or the head died (its exit is the outcome)
-            text, error = raycluster.status(self.ray_bin(), env, address)
-            elapsed = time.monotonic() - start
-            decision = raycluster.join_decision(raycluster.active_nodes(text), expected, elapsed, limit, error)
-            if decision.done:
-                break
-            time.sleep(1.0)
+        start, watch, ranks = time.monotonic(), None, set()
+        try:
+            while True:
+                if self.stop_requested is not None or not self.current or self.proc.poll() is not None:
+                    return  # cancelled, ended elsewhere, or the head died (its exit is the outcome)
+                if watch is None:  # the head's GCS first: a client made before it listens waits long
+                    reached, evidence = rendezvous_reachable(self.master_addr(), self.ray_ports().gcs, 1.0)
+                    seen, error = 0, "" if reached else evidence
+                    if reached:
+                        watch = raycluster.Watch(self.ray_bin(), env, address)
+                    else:
+                        time.sleep(0.2)
+                else:
+                    seen, ranks, error = watch.look(1.0)
+                elapsed = time.monotonic() - start
+                decision = raycluster.join_decision(seen, expected, elapsed, limit, error)
+                if decision.done:
+                    break
+        finally:
+            if watch is not None:
+                watch.close()
+        self.ray_joined(decision, address, ranks, elapsed)
+
+    def ray_joined(self, decision: raycluster.Join, address: str, ranks: set[int], elapsed: float) -> None:
+        """Record the join check; then let the driver start, or fail the attempt blaming a node."""
         result = Result("ray-join", decision.passed, decision.evidence, elapsed * 1000)
         record_checks(self.node, [result], "preflight", self.attempt)
         if decision.passed:
@@ -616,7 +631,7 @@ class Runner:
             self.ray_driver_started = True
             self.system(f"ray: {decision.evidence}; starting the driver with RAY_ADDRESS={address}")
             return
-        suspect = self.blame_ray_join(raycluster.joined_ranks(text), decision.evidence)
+        suspect = self.blame_ray_join(ranks, decision.evidence)
         reason = f"ray: the cluster did not form: {decision.evidence} (suspect: node {suspect.name})"
         self.system(reason, error=True)
         self.request_stop(AttemptState.FAILED, FailureClass.INFRA, reason)

@@ -5,6 +5,7 @@ refuses (no ray in the environment, a container, an unknown launcher)."""
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -202,3 +203,28 @@ def test_the_form_asks_for_the_ray_launcher_and_the_job_page_shows_it(project, o
     assert Job.objects.get().launcher == Launcher.RAY
     page = created.content.decode()
     assert "Launcher" in page and "rank 0 runs the command as the driver" in page
+
+
+def test_the_join_watchers_lines_give_the_alive_nodes_and_their_ranks():
+    assert ray.watched('{"alive": 2, "ranks": [0, 1]}') == (2, {0, 1}, "")
+    assert ray.watched('{"error": "RpcError: unavailable"}') == (0, set(), "RpcError: unavailable")
+    assert ray.watched("Traceback (most recent")[2].startswith("unreadable: ")
+    compile(ray.JOIN_WATCHER, "watcher", "exec")
+
+
+def test_a_watch_without_gcsclient_falls_back_to_ray_status_and_says_why(tmp_path):
+    import sys
+
+    # This interpreter has no ray: the watcher exits saying so, `ray status` is not there either.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    watch = ray.Watch(bin_dir, {"PATH": "/usr/bin:/bin"}, "127.0.0.1:1")
+    try:
+        deadline = time.monotonic() + 30
+        while not watch.fallback and time.monotonic() < deadline:
+            seen, ranks, error = watch.look(1.0)
+        assert watch.fallback and (seen, ranks) == (0, set())
+        assert "FileNotFoundError" in error and "/bin/ray" in error
+    finally:
+        watch.close()
