@@ -1,7 +1,7 @@
 """End to end: a Ray job (`launcher: ray`) on a fixed-size cluster of 2 nodes (two agents on one
 LiveStack, CPU only), ray from a cached environment built once (real uv, real ray from the
-index): the driver's actors need a GPU each, so they land on both nodes; after the job, and
-after a cancel of a running one, no raylet or gcs_server process is left."""
+index): the driver's actors need a GPU each, so they land on both nodes; after the job, after
+a cancel of a running one and after its max runtime, no raylet or gcs_server process is left."""
 
 import tempfile
 import textwrap
@@ -130,4 +130,12 @@ def test_a_cancelled_ray_job_leaves_no_ray_process(stack):
 
     stack.api("POST", f"/api/v1/jobs/{job['id']}/cancel/", json={"reason": "enough"})
     assert stack.wait_for(job["id"], DONE, timeout=60)["state"] == "cancelled"
+    assert no_ray_process_left() == []
+
+
+def test_a_ray_job_past_its_max_runtime_is_stopped_with_its_cluster(stack):
+    job = ray_job(stack, SLEEPER, gpus_per_node=1, max_runtime_seconds=45)
+    done = stack.wait_for(job["id"], DONE, timeout=180)
+    assert (done["state"], done["failure_class"]) == ("failed", "timeout")
+    assert any(line["text"] == "driver up" for line in lines_of(stack, job["id"]))  # it ran until stopped
     assert no_ray_process_left() == []
