@@ -228,3 +228,51 @@ def test_a_watch_without_gcsclient_falls_back_to_ray_status_and_says_why(tmp_pat
         assert "FileNotFoundError" in error and "/bin/ray" in error
     finally:
         watch.close()
+
+
+@pytest.fixture
+def ray_attempt(transactional_db, project, owner, settings, tmp_path):
+    from fleet.models import GPU
+    from jobs import scheduler
+    from tests.factories import make_job, make_node
+
+    settings.HANGAR_JOB_WORKDIR = tmp_path
+    for name in ("node-a", "node-b"):
+        GPU.objects.filter(node=make_node(name, gpus=1, hostname="127.0.0.1")).update(temperature_c=35)
+    make_job(project, owner, nodes=2, gpus_per_node=1, launcher="ray", requirements=["ray==2.60.0"])
+    (attempt,) = scheduler.schedule_pass()
+    (tmp_path / str(attempt.job_id)).mkdir()
+    return attempt
+
+
+def test_a_cluster_that_formed_is_recorded_and_lets_the_driver_start(ray_attempt, tmp_path):
+    from agent.runner import Runner
+    from fleet.models import HealthCheck
+
+    runner = Runner(ray_attempt, 0)
+    runner.ray_joined(ray.Join(True, True, "2 of 2 Ray nodes joined in 9.1 s"), "127.0.0.1:19000", {0, 1}, 9.1)
+
+    assert (tmp_path / str(ray_attempt.job_id) / ray.GO_FILE).exists() and runner.ray_driver_started
+    check = HealthCheck.objects.get(attempt_id=ray_attempt.pk, name="ray-join")
+    assert check.passed and check.evidence == "2 of 2 Ray nodes joined in 9.1 s" and runner.stop_requested is None
+
+
+@pytest.mark.parametrize(
+    ("joined", "suspect"),
+    [({0}, "node-b"), (set(), "node-a")],  # a rank missing: its node; the head unanswered: rank 0's
+)
+def test_a_cluster_that_did_not_form_fails_the_attempt_as_infra_blaming_a_node(ray_attempt, joined, suspect):
+    from agent.runner import Runner
+    from fleet.models import HealthCheck, HealthEvent
+
+    runner = Runner(ray_attempt, 0)
+    evidence = "only 1 of 2 Ray nodes joined within 120 s" if joined else "the head never answered within 120 s"
+    runner.ray_joined(ray.Join(True, False, evidence), "127.0.0.1:19000", joined, 120.0)
+
+    check = HealthCheck.objects.get(attempt_id=ray_attempt.pk, name="ray-join")
+    assert not check.passed and check.evidence == evidence
+    event = HealthEvent.objects.get(attempt_id=ray_attempt.pk)
+    assert event.node.name == suspect and event.action == "suspected" and evidence in event.message
+    stop = runner.stop_requested
+    assert stop.failure_class == "infra" and f"(suspect: node {suspect})" in stop.reason
+    assert not runner.ray_driver_started
