@@ -522,11 +522,14 @@ class Runner:
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         if self.ray and (self.rank > 0 or not self.ray_driver_started):
-            # A Ray node died under the driver, or the head before the driver started: the node's, not the job's.
+            # A Ray node died under the driver, or the head before the driver started: the node's, not
+            # the job's; unless its environment cannot run python or ray at all (126, 127), which no
+            # other node would change.
             what = f"the Ray node of rank {self.rank}" if self.rank > 0 else "the Ray head (before the driver started)"
             reason = f"{what} {reason}"
             self.system(reason, error=True)
-            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
+            unrunnable = code in (126, 127)
+            return Outcome(AttemptState.FAILED, FailureClass.USER if unrunnable else FailureClass.INFRA, reason), code
         self.system(reason, error=True)
         # A hardware fault can kill the process before the agent's stop reaches it: still infra.
         fault = HealthEvent.stopping_fault(self.attempt.pk, self.node.pk, self.gpus)
