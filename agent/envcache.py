@@ -355,8 +355,8 @@ def hold_shared(store: Cache, hash_: str) -> Prepared | None:
 def build_or_wait(store, hash_, exe, ident, resolved, say: SAY, still_current) -> Prepared:
     fd = store.lock(hash_)
     try:
-        wait_exclusive(fd, hash_, say, still_current)
-        built = not store.complete(hash_)
+        exclusive = wait_exclusive(fd, hash_, say, still_current, lambda: store.complete(hash_))
+        built = exclusive and not store.complete(hash_)
         if built:
             store.sweep(hash_)
             build(store, hash_, exe, ident, resolved, say, still_current)
@@ -377,14 +377,19 @@ def build_or_wait(store, hash_, exe, ident, resolved, say: SAY, still_current) -
     return Prepared(store.env(hash_), hash_, record, fd)
 
 
-def wait_exclusive(fd: int, hash_: str, say: SAY, still_current) -> None:
+def wait_exclusive(fd: int, hash_: str, say: SAY, still_current, complete: Callable[[], bool]) -> bool:
+    """True once this process holds the lock exclusively (to build); False when the environment
+    became complete meanwhile: the job that built it holds it shared for as long as it runs (a
+    rank of the same attempt on another agent of this host among them), so waiting on would
+    never end."""
     announced = False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
-            pass
+            if complete():
+                return False
         if not announced:
             announced = True
             say(f"waiting for environment {hash_[:12]}: another job on this node is building it")

@@ -30,13 +30,17 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from agent import envcache, environments, network, running, sandbox, snapshots, watch
+from agent import ray as raycluster
 from agent.output import LogWriter
-from agent.preflight import run_preflight, run_rendezvous
+from agent.preflight import rendezvous_reachable, run_preflight, run_rendezvous
 from agent.running import RUNNING
 from agent.running import lock as _running_lock
-from fleet.models import HealthEvent, Node
+from fleet.models import GPU, HealthEvent, Node
+from fleet.preflight import Result
+from fleet.preflight import record as record_checks
+from fleet.rendezvous import OWN_HOST, Failure, blame
 from jobs import pipelines, secret_env, tracking
-from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Stream, lease_from
+from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Launcher, Stream, lease_from
 from portal.models import volume_env_name
 
 log = logging.getLogger("hangar.agent")
@@ -134,6 +138,8 @@ class Runner:
         self.current = True
         self.tracking: InBackground | None = None
         self.environment: envcache.Prepared | None = None  # its cached environment, held while it runs
+        self.ray = self.job.launcher == Launcher.RAY
+        self.ray_driver_started = False  # rank 0 of a Ray job: every node joined, the driver was let start
 
     @property
     def world_size(self) -> int:
@@ -159,6 +165,8 @@ class Runner:
                 snapshots.remove_copy(self.workdir())  # its process group is gone (terminate, exited)
             if self.environment is not None:
                 self.environment.close()
+            if self.ray:
+                raycluster.clean_up(self.workdir(), self.ray_temp_dir())
 
     def run_rank(self) -> None:
         self.keep_lease()  # preflight and the start (MLflow's first run on a node) take seconds
@@ -169,7 +177,9 @@ class Runner:
         # Its process group is gone: a rank waiting for these GPUs may start now, while this
         # one writes its outcome (the hand-off from one short job to the next).
         running.release(self.attempt.pk)
+        # A Ray job's outcome is its driver's (rank 0): the other ranks' Ray nodes never end by themselves.
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
+        others_running = others_running and not (self.ray and self.rank == 0)
         if others_running and not self.record(lambda: self.attempt.rank_succeeded(self.rank)):
             self.system(f"rank {self.rank} done; the attempt ends when every rank has")
             self.writer.close()  # the lease is kept meanwhile (keep_lease)
@@ -222,6 +232,8 @@ class Runner:
             return unpacked, None
         if (ended := self.prepare_environment()) is not None:
             return ended, None
+        if self.ray and self.rank > 0 and (ended := self.wait_for_ray_head()) is not None:
+            return ended, None
         try:
             self.proc = self.start_process()
         except secret_env.SecretUnreadable as exc:  # this node's keys, not the job: infra
@@ -237,6 +249,8 @@ class Runner:
         record = self.environment.record if self.environment is not None and self.rank == 0 else None
         if not self.attempt.mark_running(self.proc.pid, record):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
+        if self.ray and self.rank == 0:
+            threading.Thread(target=self.watch_ray_join, name="ray-join", daemon=True).start()
         return self.watch()
 
     def checkpoint_left_behind(self) -> str:
@@ -388,6 +402,8 @@ class Runner:
         argv, env = environments.command_for(
             self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}", user, prefix
         )
+        if self.ray:
+            argv, env = self.ray_rank(argv, env)
         if self.launch is not None and not container:
             argv, env = self.launch.wrap(argv, env, self.workdir())
         popen_user = environments.popen_user(self.job, user) if self.launch is None else self.launch.popen_user()
@@ -508,6 +524,15 @@ class Runner:
             self.system("exited with code 0")
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
+        if self.ray and (self.rank > 0 or not self.ray_driver_started):
+            # A Ray node died under the driver, or the head before the driver started: the node's, not
+            # the job's; unless its environment cannot run python or ray at all (126, 127), which no
+            # other node would change.
+            what = f"the Ray node of rank {self.rank}" if self.rank > 0 else "the Ray head (before the driver started)"
+            reason = f"{what} {reason}"
+            self.system(reason, error=True)
+            unrunnable = code in (126, 127)
+            return Outcome(AttemptState.FAILED, FailureClass.USER if unrunnable else FailureClass.INFRA, reason), code
         self.system(reason, error=True)
         # A hardware fault can kill the process before the agent's stop reaches it: still infra.
         fault = HealthEvent.stopping_fault(self.attempt.pk, self.node.pk, self.gpus)
@@ -515,6 +540,115 @@ class Runner:
             reason += f" after a health event on its GPUs: {fault.message}"
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
+
+    # --- launcher: ray (agent/ray.py) ---------------------------------------------------------
+
+    def ray_ports(self) -> raycluster.Ports:
+        master_port = int(rank_env(self.attempt, self.rank, "")["MASTER_PORT"])
+        base = settings.HANGAR_MASTER_PORT_BASE
+        return raycluster.ports(master_port, base, settings.HANGAR_RAY_PORT_BASE, self.rank)
+
+    def ray_token(self) -> str:
+        return raycluster.auth_token(settings.SECRET_KEY, self.attempt.pk)
+
+    def ray_temp_dir(self) -> str:
+        return raycluster.temp_dir(self.attempt.pk, self.rank, self.ray_token())
+
+    def ray_bin(self) -> Path | None:
+        if self.environment is not None:
+            return self.environment.path / "bin"
+        path = self.job.environment.path if self.job.environment is not None else ""
+        return Path(path) / "bin" if path else None
+
+    def ray_rank(self, command: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """This rank's Ray node (and on rank 0 the driver after it), with the cluster's variables."""
+        ports, head = self.ray_ports(), self.master_addr()
+        node_addr = head if self.rank == 0 else (self.node.address or self.node.hostname or self.node.name)
+        node_gpus = GPU.objects.filter(node=self.node).count()
+        cpus = raycluster.cpu_share(os.cpu_count() or 1, len(self.gpus), node_gpus)
+        start = raycluster.start_argv(self.rank, ports, head, node_addr, len(self.gpus), cpus, self.ray_temp_dir())
+        what = "head" if self.rank == 0 else f"node joining {head}:{ports.gcs}"
+        self.system(f"ray: starting the {what} ({cpus} CPUs, {len(self.gpus)} GPUs, GCS port {ports.gcs})")
+        env = {**env, **raycluster.ray_env(self.ray_token(), head, ports)}
+        return raycluster.rank_argv(self.rank, start, command), env
+
+    def wait_for_ray_head(self) -> Outcome | None:
+        """Ranks >= 1 start their Ray node once the head's GCS port answers (the head takes
+        seconds to start). Rank 0 decides whether the cluster formed; this rank only gives up
+        when the attempt ends, or long after rank 0 would have."""
+        head, port = self.master_addr(), self.ray_ports().gcs
+        deadline = time.monotonic() + settings.HANGAR_RAY_JOIN_SECONDS + 30
+        while time.monotonic() < deadline:
+            reached, evidence = rendezvous_reachable(head, port, timeout=1.0)
+            if reached:
+                return None
+            if not self.still_current():
+                return self.stop_requested or Outcome(AttemptState.LOST, FailureClass.INFRA, "ended before Ray")
+            time.sleep(0.2)
+        reason = f"ray: the head at {head}:{port} never answered: {evidence}"
+        self.system(reason, error=True)
+        return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason)
+
+    def watch_ray_join(self) -> None:
+        """Rank 0: wait for every node to join, then let the driver start (the go file); a
+        cluster that does not form in HANGAR_RAY_JOIN_SECONDS fails the attempt (infra) with
+        the evidence recorded as the `ray-join` check, and a node blamed (fleet/rendezvous.py)."""
+        try:
+            self._watch_ray_join()
+        except Exception:
+            log.exception("attempt %s: the Ray join check failed", self.attempt.pk)
+            self.request_stop(AttemptState.FAILED, FailureClass.INFRA, "the Ray join check failed (agent error)")
+        finally:
+            connection.close()
+
+    def _watch_ray_join(self) -> None:
+        env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
+        env.update(raycluster.ray_env(self.ray_token(), self.master_addr(), self.ray_ports()))
+        address, expected, limit = env["RAY_ADDRESS"], self.world_size, settings.HANGAR_RAY_JOIN_SECONDS
+        start, watch, ranks = time.monotonic(), None, set()
+        try:
+            while True:
+                if self.stop_requested is not None or not self.current or self.proc.poll() is not None:
+                    return  # cancelled, ended elsewhere, or the head died (its exit is the outcome)
+                if watch is None:  # the head's GCS first: a client made before it listens waits long
+                    reached, evidence = rendezvous_reachable(self.master_addr(), self.ray_ports().gcs, 1.0)
+                    seen, error = 0, "" if reached else evidence
+                    if reached:
+                        watch = raycluster.Watch(self.ray_bin(), env, address)
+                    else:
+                        time.sleep(0.2)
+                else:
+                    seen, ranks, error = watch.look(1.0)
+                elapsed = time.monotonic() - start
+                decision = raycluster.join_decision(seen, expected, elapsed, limit, error)
+                if decision.done:
+                    break
+        finally:
+            if watch is not None:
+                watch.close()
+        self.ray_joined(decision, address, ranks, elapsed)
+
+    def ray_joined(self, decision: raycluster.Join, address: str, ranks: set[int], elapsed: float) -> None:
+        """Record the join check; then let the driver start, or fail the attempt blaming a node."""
+        result = Result("ray-join", decision.passed, decision.evidence, elapsed * 1000)
+        record_checks(self.node, [result], "preflight", self.attempt)
+        if decision.passed:
+            (self.workdir() / raycluster.GO_FILE).touch()
+            self.ray_driver_started = True
+            self.system(f"ray: {decision.evidence}; starting the driver with RAY_ADDRESS={address}")
+            return
+        suspect = self.blame_ray_join(ranks, decision.evidence)
+        reason = f"ray: the cluster did not form: {decision.evidence} (suspect: node {suspect.name})"
+        self.system(reason, error=True)
+        self.request_stop(AttemptState.FAILED, FailureClass.INFRA, reason)
+
+    def blame_ray_join(self, joined: set[int], evidence: str) -> Node:
+        """A head no one joined points at rank 0's node; else the first rank missing points at its own."""
+        missing = [r for r in range(1, self.world_size) if r not in joined]
+        rank = missing[0] if joined and missing else 0
+        node = self.node if rank == 0 else Node.objects.get(pk=self.attempt.ranks[rank]["node_id"])
+        suspect, _ = blame(self.attempt, rank, node, self.node, Failure(OWN_HOST, evidence))
+        return suspect
 
     def keep_lease(self) -> None:
         """Outside the watch loop (preflight and start; after the exit, until the outcome is

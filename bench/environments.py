@@ -13,9 +13,15 @@ On a busy machine the stack's own noise is larger than the difference, so the ag
 path alone (envcache.prepare on a hit: key lookup, shared lock, usage note) is timed in
 process too (prepare_cached_ms, p50 of 200).
 
-    python bench/environments.py [--quick] [--jobs N]
+Then a second agent joins and a Ray job (`launcher: ray`, ray==2.60.0 from a cached environment)
+runs on 2 nodes, twice: submit -> its driver's first line, the first time with the Ray
+environment's build (ray_first_driver_start_s) and then with it cached (ray_driver_start_s: two
+`ray start`s, the join check, the driver). `--no-ray` leaves it out (it adds a minute or more).
+
+    python bench/environments.py [--quick] [--jobs N] [--no-ray]
 
 Last line: build_s=... cached_start_ms=... bare_start_ms=... cached_extra_ms=... prepare_cached_ms=...
+ray_driver_start_s=...
 """
 
 import argparse
@@ -53,6 +59,29 @@ def time_start(stack, command: list[str], timeout: float = 600, **fields) -> tup
     return elapsed, stack.wait_for(job["id"], ("succeeded", "failed"), timeout=60)
 
 
+RAY_DRIVER = "print('driver started', flush=True); import ray; ray.init(); print('nodes', len(ray.nodes()))"
+
+
+def time_ray_driver(stack, timeout: float = 900) -> float:
+    """Seconds from submit to a 2-node Ray job's driver printing its first line (rank 0)."""
+    from jobs.models import LogLine
+
+    started = time.perf_counter()
+    job = stack.submit(
+        ["python", "-c", RAY_DRIVER], name="ray-bench", requirements=["ray==2.60.0"], launcher="ray", nodes=2
+    )
+    deadline = time.monotonic() + timeout
+    while not LogLine.objects.filter(job_id=job["id"], rank=0, text="driver started").exists():
+        if time.monotonic() > deadline or stack.job(job["id"])["state"] in ("failed", "cancelled", "succeeded"):
+            raise SystemExit(f"Ray job {job['id']}'s driver did not start: {stack.job(job['id'])['state_reason']}")
+        time.sleep(0.01)
+    elapsed = time.perf_counter() - started
+    done = stack.wait_for(job["id"], ("succeeded", "failed"), timeout=120)
+    if done["state"] != "succeeded":
+        raise SystemExit(f"Ray job {job['id']} failed: {done['state_reason']}")
+    return elapsed
+
+
 def time_prepare(count: int = 200) -> float:
     """p50 ms of the agent's cached path (the stack's cache, this process's settings)."""
     from types import SimpleNamespace
@@ -73,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="5 cached and 5 bare jobs instead of 20")
     parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--no-ray", action="store_true", help="leave out the 2-node Ray job")
     args = parser.parse_args()
     count = args.jobs or (5 if args.quick else 20)
 
@@ -98,6 +128,10 @@ def main() -> None:
             timings["bare"].append(time_start(stack, bare)[0])
         record = stack.job(first["id"])["attempts"][0]["environment"]
         prepare_ms = time_prepare()
+        ray_first = ray_cached = None
+        if not args.no_ray:
+            stack.start_agent("node-b", gpus=1)
+            ray_first, ray_cached = time_ray_driver(stack), time_ray_driver(stack)
 
     cached_p50, bare_p50 = percentile(timings["cached"], 50), percentile(timings["bare"], 50)
     print(f"environment {record['hash'][:12]}: {', '.join(record['packages'])} ({record['python']})")
@@ -106,9 +140,14 @@ def main() -> None:
         print(f"{name}: submit -> first line, {count} jobs: p50 {percentile(values, 50):.1f} ms, "
               f"p95 {percentile(values, 95):.1f} ms")  # fmt: skip
     print(f"the agent's cached path alone (envcache.prepare, a hit): p50 {prepare_ms:.2f} ms")
+    ray = ""
+    if ray_cached is not None:
+        print(f"Ray on 2 nodes, submit -> driver start: {ray_first:.1f} s with the Ray environment's build, "
+              f"{ray_cached:.1f} s with it cached")  # fmt: skip
+        ray = f" ray_first_driver_start_s={ray_first:.1f} ray_driver_start_s={ray_cached:.1f}"
     print(
         f"jobs={count} build_s={build_ms / 1000:.2f} cached_start_ms={cached_p50:.1f} bare_start_ms={bare_p50:.1f} "
-        f"cached_extra_ms={cached_p50 - bare_p50:.1f} prepare_cached_ms={prepare_ms:.2f}"
+        f"cached_extra_ms={cached_p50 - bare_p50:.1f} prepare_cached_ms={prepare_ms:.2f}{ray}"
     )
 
 

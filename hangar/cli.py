@@ -181,6 +181,8 @@ def job_spec(args) -> dict:
         spec["requirements"] = requirement_list(spec.get("requirements")) + list(args.pip)
     if args.python:
         spec["python_version"] = args.python
+    if args.ray:
+        spec["launcher"] = "ray"
     for after in args.after or []:
         job, _, condition = after.partition(":")
         if not job.isdigit() or condition not in ("", "succeeded", "finished"):
@@ -834,6 +836,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pip", nargs="+", action="extend", metavar="PKG", help="packages of its cached environment")
     p.add_argument("--python", metavar="VERSION", help="with requirements: the Python version, e.g. 3.11")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on a Ray cluster of its nodes: rank 0 runs the command as the driver (needs --pip ray==...)",
+    )
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE")
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")
     p.add_argument("-v", "--volume", action="append", metavar="NAME[:rw]")

@@ -147,6 +147,34 @@ def requirements_problem(environment, requirements: list[str], python_version: s
     return None
 
 
+LAUNCHERS = ("", "ray")
+RAY_EXAMPLE = '"requirements": ["ray==2.60.0"] (CLI: --pip ray==2.60.0)'
+
+
+def names_ray(requirements) -> bool:
+    """Whether one of the (normalised) specifiers is the package `ray` (with extras or not)."""
+    return any(Requirement(text).name == "ray" for text in requirements or [])
+
+
+def launcher_problem(launcher: str, environment, requirements: list[str]) -> str | None:
+    """Why `launcher` cannot run with this environment and these requirements (None: it can).
+    A Ray job runs `ray start` on each node from its environment: ray must be in it."""
+    if not launcher:
+        return None
+    if launcher not in LAUNCHERS:
+        return f"{launcher!r} is not a launcher; use ray, or leave it out to run the command on every rank"
+    if environment is not None and environment.kind == "container":
+        return (
+            f"launcher ray starts ray on the node itself, but environment {environment.name} is a container; "
+            f"drop the environment and give {RAY_EXAMPLE}"
+        )
+    if environment is not None and environment.path:
+        return None  # an operator's virtualenv: its bin/ray is the node's business (a missing one fails the start)
+    if names_ray(requirements) or (environment is not None and names_ray(environment.requirements)):
+        return None
+    return f"launcher ray needs ray in the job's environment: add {RAY_EXAMPLE}, or name an environment that has it"
+
+
 def copy_for(job, spec: dict, user, given) -> dict:
     """A resubmit's or run-again's spec (reproduce.clone_data) as `user` may submit it: by
     another user than the submitter, with only the secret values `user` gives."""
@@ -175,6 +203,12 @@ def check(attrs: dict, user, copy_of=None) -> None:
     wanted = attrs.get("requirements") or [], attrs.get("python_version") or ""
     if problem := requirements_problem(environment, *wanted):
         raise ValidationError({problem[0]: problem[1]})
+    if problem := launcher_problem(attrs.get("launcher") or "", environment, wanted[0]):
+        raise ValidationError({"launcher": problem})
+    if attrs.get("launcher") and getattr(attrs["project"], "network", "host") == "none":
+        raise ValidationError(
+            {"launcher": f"project {attrs['project'].slug}'s network policy is none: a Ray cluster needs network host"}
+        )
     project = attrs["project"]
     if container and (problem := image_problem(environment.image, project.allowed_images, project.slug)):
         raise ValidationError({"environment": problem})

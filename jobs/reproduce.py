@@ -18,6 +18,7 @@ SPEC_FIELDS = [
     "environment",
     "requirements",
     "python_version",
+    "launcher",
     "config",
     "data_refs",
     "objective",

@@ -189,6 +189,7 @@ def create(user, checked: dict) -> Job:
             environment=checked["environment"],
             requirements=checked.get("requirements") or [],
             python_version=checked.get("python_version") or "",
+            launcher=checked.get("launcher") or "",
             requirements_key=requirements_key(*requirements_of(*wanted)),
             max_runtime_seconds=checked.get("max_runtime_seconds") or settings.HANGAR_DEFAULT_MAX_RUNTIME_SECONDS,
             code_version=checked.get("code_version") or snapshots.version_of(checked["code"]),

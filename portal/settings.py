@@ -553,6 +553,10 @@ HANGAR_PRIORITY_CLASSES = env_priority_classes(
 HANGAR_PREEMPT_GRACE_SECONDS = env_float("HANGAR_PREEMPT_GRACE_SECONDS", 60.0)
 HANGAR_MAX_PREEMPTIONS = env_int("HANGAR_MAX_PREEMPTIONS", 20, minimum=0)
 HANGAR_MASTER_PORT_BASE = env_int("HANGAR_MASTER_PORT_BASE", 29500, minimum=1024)
+# A Ray job's ports (agent/ray.py): a block of 100 per attempt, attempt id mod 100 (19000-28999 by default).
+HANGAR_RAY_PORT_BASE = env_int("HANGAR_RAY_PORT_BASE", 19000, minimum=1024)
+# How long rank 0 of a Ray job waits for every node to join its cluster before the driver starts.
+HANGAR_RAY_JOIN_SECONDS = env_float("HANGAR_RAY_JOIN_SECONDS", 120.0, minimum=1.0)
 HANGAR_DOCKER = env_str("HANGAR_DOCKER", "docker")
 # --- Cached Python environments (agent/envcache.py) -------------------------
 # Job uids must reach it (search permission on its parents: not under /root on a sandboxing node).

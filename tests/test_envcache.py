@@ -3,11 +3,13 @@ killed build, the node's report, the scheduler's warm-cache affinity, and a sand
 reading its environment as its own uid."""
 
 import fcntl
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -130,6 +132,32 @@ def test_eviction_on_disk_spares_an_environment_a_running_job_holds(tmp_path, se
     assert sorted(p.name for p in (tmp_path / "envs").iterdir()) == ["a" * 64, "c" * 64]
     assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == ["key-a", "key-c"]
     os.close(held)
+
+
+def test_a_waiter_takes_the_environment_its_builder_now_holds_while_it_runs(tmp_path):
+    """Two agents of one host share a cache: rank 1 built the environment and runs in it (a
+    shared hold for the whole job) while rank 0 of the same attempt waited for the build lock.
+    Waiting for it exclusively would never end (rank 1 waits for rank 0): rank 0 takes it built."""
+    store, hash_ = Cache(tmp_path), "d" * 64
+    builder = store.lock(hash_)
+    fcntl.flock(builder, fcntl.LOCK_EX)  # building
+    waiter, said = store.lock(hash_), []
+    done = threading.Event()
+    result = {}
+
+    def wait() -> None:
+        complete = functools.partial(store.complete, hash_)
+        result["exclusive"] = envcache.wait_exclusive(waiter, hash_, said.append, lambda: True, complete)
+        done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    assert not done.wait(0.5)
+    assert said == [f"waiting for environment {hash_[:12]}: another job on this node is building it"]
+    fake_entry(store, hash_, 600, 1000.0, "key-d")  # the build completes...
+    fcntl.flock(builder, fcntl.LOCK_SH)  # ...and its job runs in it
+    assert done.wait(5) and result == {"exclusive": False}
+    os.close(builder)
+    os.close(waiter)
 
 
 # --- a build killed mid-way -------------------------------------------------------------------

@@ -240,6 +240,16 @@ class JobSubmitSerializer(serializers.Serializer):
     python_version = Text(
         required=False, allow_blank=True, max_length=16, help_text="With requirements: e.g. 3.11; blank: the node's."
     )
+    launcher = serializers.ChoiceField(
+        choices=jobspec.LAUNCHERS,
+        required=False,
+        allow_blank=True,
+        help_text="ray: the job's nodes form a Ray cluster (ray from its requirements) and rank 0 runs the command "
+        "as its driver with RAY_ADDRESS set; blank: the command runs on every rank.",
+        error_messages={
+            "invalid_choice": '"{input}" is not a launcher; use "ray", or leave it out to run the command on every rank'
+        },
+    )
     max_runtime_seconds = serializers.IntegerField(
         required=False,
         min_value=1,
@@ -442,6 +452,7 @@ class JobSerializer(serializers.ModelSerializer):
             "environment",
             "requirements",
             "python_version",
+            "launcher",
             "max_runtime_seconds",
             "max_retries",
             "retries",
@@ -492,6 +503,7 @@ class JobSerializer(serializers.ModelSerializer):
             "environment": job.environment.name if job.environment_id is not None else None,
             "requirements": job.requirements,
             "python_version": job.python_version,
+            "launcher": job.launcher,
             "max_runtime_seconds": job.max_runtime_seconds,
             "max_retries": job.max_retries,
             "retries": job.retries,

@@ -4,7 +4,7 @@ attempts, log lines, cost, code snapshots. Everything is re-exported here: `from
 from jobs.models.attempt import Attempt, lease_from, requeue_for
 from jobs.models.cost import Budget, CostDaily, GpuRate, JobCost, attempt_cost_of, next_month
 from jobs.models.environment import Environment, EnvironmentKind
-from jobs.models.job import Job, JobEvent, JobQuerySet
+from jobs.models.job import Job, JobEvent, JobQuerySet, Launcher
 from jobs.models.logs import LogLine, Severity, Stream
 from jobs.models.notify import Channel, Delivery, DeliveryState, Event, Subscription
 from jobs.models.pipeline import PipelineRun, PipelineRunQuerySet, PipelineStage, PipelineState, pipeline_state
@@ -43,6 +43,7 @@ __all__ = [
     "JobEvent",
     "JobQuerySet",
     "JobState",
+    "Launcher",
     "LogLine",
     "PipelineRun",
     "PipelineRunQuerySet",

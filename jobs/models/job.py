@@ -33,6 +33,13 @@ if TYPE_CHECKING:
     from jobs.models.attempt import Attempt
 
 
+class Launcher(models.TextChoices):
+    """How an attempt's ranks run the command."""
+
+    COMMAND = "", "the command on every rank"
+    RAY = "ray", "a Ray cluster; rank 0 runs the command as its driver"
+
+
 class JobQuerySet(models.QuerySet):
     def visible_to(self, user) -> "JobQuerySet":
         return self.filter(project__in=Project.objects.visible_to(user))
@@ -56,6 +63,13 @@ class Job(models.Model):
         default=list, blank=True, help_text="Python requirements of its cached environment (one specifier each)."
     )
     python_version = models.CharField(max_length=16, blank=True, help_text="e.g. 3.11; blank: the node's python3.")
+    launcher = models.CharField(
+        max_length=16,
+        choices=Launcher.choices,
+        default=Launcher.COMMAND,
+        blank=True,
+        help_text="ray: its nodes form a Ray cluster and rank 0 runs the command as the driver (agent/ray.py).",
+    )
     requirements_key = models.CharField(
         max_length=64, blank=True, help_text="requirements_key() of what it asks for: the scheduler's cache affinity."
     )
