@@ -110,7 +110,8 @@ class JobLogDownloadView(APIView):
     """The whole (filtered) log as plain text or JSON lines, streamed in chunks read by cursor."""
 
     @extend_schema(
-        parameters=[*FILTER_PARAMETERS, OpenApiParameter("as", str, enum=["text", "jsonl"])], responses=OpenApiTypes.STR
+        parameters=[*FILTER_PARAMETERS, OpenApiParameter("as", str, enum=["text", "jsonl"])],
+        responses={(200, "text/plain"): OpenApiTypes.STR, (200, "application/x-ndjson"): OpenApiTypes.STR},
     )
     def get(self, request, pk: int):
         job = visible_job(request, pk)
