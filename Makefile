@@ -39,7 +39,7 @@ test: $(VENV)/.test chromium bubblewrap
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) manage.py makemigrations --check --dry-run
-	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) -m pytest
+	HANGAR_DATA_DIR=$${HANGAR_TEST_DATA_DIR:-$$(mktemp -d)} $(PY) -m pytest -n $${HANGAR_TEST_WORKERS:-3} --dist loadfile
 
 ## bench: every benchmark, quick
 bench: $(VENV)/.test

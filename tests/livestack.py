@@ -6,6 +6,7 @@ that `manage.py create_token` prints.
 """
 
 import os
+import random
 import secrets
 import signal
 import socket
@@ -62,6 +63,9 @@ class LiveStack:
             "HANGAR_SIMULATE_GPUS": "1",
             "HANGAR_HEARTBEAT_SECONDS": "1",
             "HANGAR_KILL_GRACE_SECONDS": "2",
+            # Its own rendezvous ports (MASTER_PORT = base + attempt id % 1000): stacks of parallel
+            # test workers number their attempts alike, and would meet on the same ports.
+            "HANGAR_MASTER_PORT_BASE": str(random.randrange(4000, 17000)),
             **(env or {}),
         }
         self.local_agent = local_agent
