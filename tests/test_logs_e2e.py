@@ -45,14 +45,18 @@ def all_lines(live, job_id: int, **filters) -> list[dict]:
 
 
 def test_ranks_writing_one_attempt_at_once_get_one_gap_free_sequence(stack):  # noqa: F811
+    done = stack.data_dir / "extra-ranks-done"  # rank 0 stays running until the extra ranks wrote
     job = stack.submit(
         script(
-            """
-            import time
+            f"""
+            import os, time
             for i in range(2000):
-                print(f"rank 0 line {i}", flush=True)
+                print(f"rank 0 line {{i}}", flush=True)
                 if i % 20 == 0:
                     time.sleep(0.05)
+            deadline = time.time() + 150
+            while not os.path.exists({str(done)!r}) and time.time() < deadline:
+                time.sleep(0.1)
             """
         ),
         name="ranks",
@@ -69,9 +73,12 @@ def test_ranks_writing_one_attempt_at_once_get_one_gap_free_sequence(stack):  # 
         )
         for r in (1, 2)
     ]
-    for proc in ranks:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "stored" in out, out
+    try:
+        for proc in ranks:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0 and "stored" in out, out
+    finally:
+        done.touch()
     assert stack.wait_for(job["id"], ("succeeded", "failed"), timeout=60)["state"] == "succeeded"
 
     lines = all_lines(stack, job["id"])

@@ -147,7 +147,7 @@ def test_the_api_says_more_on_an_empty_walked_page_and_the_next_call_goes_on(wal
 def test_the_download_of_a_walked_filter_has_every_matching_line(walking, owner, job):
     response = api_client(owner).get(f"/api/v1/jobs/{job.pk}/logs/download/", {"as": "jsonl", "severity": "ERROR"})
     lines = [json.loads(row) for row in b"".join(response.streaming_content).decode().splitlines()]
-    assert [(line["attempt"], line["seq"]) for line in lines] == plain(job, {"severity": "ERROR"})
+    assert [(line["attempt_number"], line["seq"]) for line in lines] == plain(job, {"severity": "ERROR"})
 
 
 def test_search_on_postgresql_cancels_slow_plans_and_misses_nothing(tmp_path):

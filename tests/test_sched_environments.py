@@ -122,3 +122,14 @@ def test_a_rank_that_aborts_at_exit_gets_the_barrier_hint():
     assert "dist.barrier()" in abort_hint(-6, world_size=2)
     assert "dist.barrier()" in abort_hint(134, world_size=2)
     assert abort_hint(-6, world_size=1) == "" and abort_hint(1, world_size=2) == ""
+
+
+def test_the_built_in_environments_come_back_after_a_flush(transactional_db):
+    """A flush (what a transactional test leaves behind, or an operator's) empties the table the
+    migrations seeded; its post_migrate brings the built-ins back, so no later job or test finds none."""
+    from django.core.management import call_command
+
+    call_command("flush", interactive=False, verbosity=0)
+
+    assert dict(Environment.objects.values_list("name", "everywhere")) == {"cuda": True, "ai": True}
+    assert Environment.objects.get(name="ai").requirements == ["torch", "transformers"]

@@ -100,3 +100,22 @@ def requirements_of(environment, requirements: list[str], python_version: str) -
 
 def job_requirements(job) -> tuple[list[str], str]:
     return requirements_of(job.environment, job.requirements, job.python_version)
+
+
+# The environments every install has (migrations jobs 0004 and 0014 made them; `ensure_built_in`
+# brings back one that is missing after the migrations run, or after a `flush`).
+BUILT_IN_ENVIRONMENTS = [
+    {"name": "cuda", "description": "Minimal CUDA runtime on the host", "everywhere": True},
+    {
+        "name": "ai",
+        "description": "PyTorch + Transformers: a cached environment built on demand on each node (uv)",
+        "everywhere": True,
+        "requirements": ["torch", "transformers"],
+    },
+]
+
+
+def ensure_built_in(**kwargs) -> None:
+    """A post_migrate receiver: the built-in environments exist (an operator's changes to them are kept)."""
+    for fields in BUILT_IN_ENVIRONMENTS:
+        Environment.objects.get_or_create(name=fields["name"], defaults=fields)
