@@ -407,7 +407,10 @@ def test_drill_8_concurrent_submits_make_exactly_the_jobs_asked_for(tmp_path):
         statuses = Counter(status for _, status, _ in results)
         server_errors = sum(n for status, n in statuses.items() if status >= 500)
         assert server_errors == 0, statuses
-        assert all(status in (200, 201) for status in statuses), statuses
+        # A cancel may come after its `true` job already ended: 409 already_ended, the one other answer.
+        ended_first = [body for kind, status, body in results if kind == "cancel" and status == 409]
+        assert all(body["code"] == "already_ended" for body in ended_first), ended_first
+        assert all(status in (200, 201) for kind, status, _ in results if kind != "cancel" or status != 409), statuses
 
         keyed: dict[str, set[int]] = {}
         for kind, _, body in results:
@@ -418,8 +421,8 @@ def test_drill_8_concurrent_submits_make_exactly_the_jobs_asked_for(tmp_path):
         assert sorted(n for (n,) in per_key) == [1] * 100
         assert sql(stack, "SELECT count(*) FROM jobs_job")[0][0] == 900
 
-        cancelled = {body["id"] for kind, _, body in results if kind == "cancel"}
-        assert len(cancelled) == 200
+        cancelled = {body["id"] for kind, status, body in results if kind == "cancel" and status == 200}
+        assert len(cancelled) + len(ended_first) == 200
         # Ends when every job is final or after a bounded wait (running ~700 jobs of
         # `true` on 2 shared cores takes ~100 s more): the guarantees hold either way.
         deadline = time.monotonic() + SETTLE_SECONDS
