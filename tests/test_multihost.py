@@ -394,7 +394,9 @@ def test_rank_zero_unreachable_makes_its_node_the_suspect_then_cordoned_and_the_
             time.sleep(0.5)
         current = fleet.stack.job(job["id"])
         failed = [a for a in current["attempts"] if a["state"] == "failed"]
-        assert len(failed) >= 2, current["attempts"]
+        # Cordoned once two attempts pointed at gpu-a (an earlier test's may have been one of them).
+        assert failed, current["attempts"]
+        assert "rendezvous failed for" in fleet.node("gpu-a")["state_reason"]
         for attempt in failed:
             assert attempt["placement"][0]["node"] == "gpu-a"  # rank 0 on gpu-a each time
             assert "suspect: node gpu-a" in attempt["reason"], attempt["reason"]
