@@ -346,15 +346,20 @@ def cancel(run: PipelineRun, by, reason: str = "") -> list[str]:
 
 
 def stage_env(job: Job) -> dict[str, str]:
-    """What every attempt of a stage is given: HANGAR_PIPELINE_DIR, the run and the stage ({} for other jobs)."""
+    """What every attempt of a stage is given: HANGAR_PIPELINE_DIR, the run and the stage ({} for other jobs).
+    Read once per job object: an attempt's start asks three times (its env, its directory, the sandbox's binds)."""
+    if (known := getattr(job, "_stage_env", None)) is not None:
+        return known
     stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run").first()
-    if stage is None:
-        return {}
-    return {
-        "HANGAR_PIPELINE_DIR": stage.run.directory,
-        "HANGAR_PIPELINE_RUN": str(stage.run_id),
-        "HANGAR_PIPELINE_STAGE": stage.name,
-    }
+    env = {}
+    if stage is not None:
+        env = {
+            "HANGAR_PIPELINE_DIR": stage.run.directory,
+            "HANGAR_PIPELINE_RUN": str(stage.run_id),
+            "HANGAR_PIPELINE_STAGE": stage.name,
+        }
+    job._stage_env = env
+    return env
 
 
 def record(job: Job) -> dict | None:
