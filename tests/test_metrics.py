@@ -135,13 +135,16 @@ def test_it_counts_log_lines_stored(client, project, owner):
     assert value(scrape(client), "hangar_log_lines_ingested_total") >= 3
 
 
-def test_it_sums_what_other_processes_measured(client, db):
+def test_it_sums_what_other_processes_measured(client, db, tmp_path, monkeypatch):
     """A scheduler process's pass timings reach the web process's scrape (multiprocess files)."""
     import subprocess
     import sys
 
     from django.conf import settings
 
+    # A directory of this test's own: under parallel workers, other tests' schedulers write
+    # their passes into the shared one between the two scrapes.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     code = "import django; django.setup(); from jobs.metrics import SCHEDULER_PASS as h; "
     code += "[h.observe(0.02) for _ in range(3)]"
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings", "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
