@@ -76,9 +76,9 @@ def run_attempt(attempt_id: int, rank: int = 0) -> None:
     """Entry point of the agent's Celery task: run one rank of an attempt."""
     close_old_connections()
     try:
-        attempt = Attempt.objects.select_related("job", "node", "job__project", "job__environment").filter(
-            pk=attempt_id
-        )
+        attempt = Attempt.objects.select_related(
+            "job", "node", "job__project", "job__environment", "job__submitted_by"
+        ).filter(pk=attempt_id)
         attempt = attempt.first()
         if attempt is None or not attempt.begin(rank):
             log.info("attempt %s rank %s is taken or no longer current; nothing to run", attempt_id, rank)

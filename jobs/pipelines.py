@@ -345,21 +345,23 @@ def cancel(run: PipelineRun, by, reason: str = "") -> list[str]:
     return cancelled[::-1]
 
 
+def stage_run_by(job: Job) -> PipelineStage | None:
+    """The stage this job runs (with its run), or None. Read once per job object: an attempt's
+    start asks several times (its env, its directory, the sandbox's binds, its MLflow run's tags)."""
+    if not hasattr(job, "_pipeline_stage"):
+        job._pipeline_stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run").first()
+    return job._pipeline_stage
+
+
 def stage_env(job: Job) -> dict[str, str]:
-    """What every attempt of a stage is given: HANGAR_PIPELINE_DIR, the run and the stage ({} for other jobs).
-    Read once per job object: an attempt's start asks three times (its env, its directory, the sandbox's binds)."""
-    if (known := getattr(job, "_stage_env", None)) is not None:
-        return known
-    stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run").first()
-    env = {}
-    if stage is not None:
-        env = {
-            "HANGAR_PIPELINE_DIR": stage.run.directory,
-            "HANGAR_PIPELINE_RUN": str(stage.run_id),
-            "HANGAR_PIPELINE_STAGE": stage.name,
-        }
-    job._stage_env = env
-    return env
+    """What every attempt of a stage is given: HANGAR_PIPELINE_DIR, the run and the stage ({} for other jobs)."""
+    if (stage := stage_run_by(job)) is None:
+        return {}
+    return {
+        "HANGAR_PIPELINE_DIR": stage.run.directory,
+        "HANGAR_PIPELINE_RUN": str(stage.run_id),
+        "HANGAR_PIPELINE_STAGE": stage.name,
+    }
 
 
 def record(job: Job) -> dict | None:

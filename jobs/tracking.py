@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import transaction
 from django.dispatch import receiver
 
-from jobs.models import Job, JobCost, PipelineRun, PipelineStage
+from jobs.models import FINAL_JOB_STATES, Job, PipelineRun
 from jobs.signals import attempt_finished as attempt_ended
 
 log = logging.getLogger("hangar.tracking")
@@ -146,8 +146,9 @@ def job_env(job: Job, attempt) -> dict[str, str]:
 
 def stage_tags(job: Job, experiment: str) -> dict[str, str]:
     """A pipeline stage's run is nested under its pipeline run's parent run (made by its first stage)."""
-    stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run").first()
-    if stage is None:
+    from jobs.pipelines import stage_run_by
+
+    if (stage := stage_run_by(job)) is None:
         return {}
     return {
         "mlflow.parentRunId": parent_run_id(stage.run, experiment),
@@ -188,18 +189,21 @@ def _close_run_after_commit(sender, attempt, **kwargs) -> None:
 
 def attempt_finished(job_id: int) -> None:
     """After an attempt's end is committed: close the run when the job is over, with its cost."""
-    job = Job.objects.filter(pk=job_id).first()
-    if job is None or not job.mlflow_run_id or not enabled():
+    if not enabled():
         return
+    # One read: the job's state and run with its cost (JobCost, added in the finishing transaction).
+    row = Job.objects.filter(pk=job_id).values_list("state", "mlflow_run_id", "cost__cost").first()
+    if row is None or not row[1]:
+        return
+    state, run_id, cost = row
     try:
-        cost = JobCost.objects.filter(pk=job_id).values_list("cost", flat=True).first() or 0
         from mlflow.entities import RunTag
 
         c = client()
-        tags = [RunTag("hangar.cost", f"{cost:.4f}"), RunTag("hangar.state", job.state)]
-        c.log_batch(job.mlflow_run_id, tags=tags)  # one round trip (a store transaction), not one per tag
-        if job.is_final:
-            c.set_terminated(job.mlflow_run_id, status=RUN_STATUS[job.state])
+        tags = [RunTag("hangar.cost", f"{cost or 0:.4f}"), RunTag("hangar.state", state)]
+        c.log_batch(run_id, tags=tags)  # one round trip (a store transaction), not one per tag
+        if state in FINAL_JOB_STATES:
+            c.set_terminated(run_id, status=RUN_STATUS[state])
     except Exception as exc:
         _record_error(job_id, exc)
 

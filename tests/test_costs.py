@@ -121,6 +121,36 @@ def test_a_multi_attempt_job_sums_its_attempts_and_labels_the_wasted_ones(projec
     assert labels["lost"] == costs[0] and labels["preempted"] == costs[1]
 
 
+def test_a_writer_that_loses_the_race_to_create_a_days_row_adds_to_the_winners(project, owner, monkeypatch):
+    """Two agents finishing the first attempts of a day at once: both find no row, one creates it,
+    the other's insert collides and adds to it instead (nothing lost, no second row)."""
+    from jobs.models import cost as costs
+
+    day = timezone.now().date()
+    key = {"day": day, "project_id": project.pk, "user_id": owner.pk, "gpu_type": "H100", "label": "succeeded"}
+    added = {"attempts": 1, "gpu_seconds": 60.0, "preflight_cost": 0, "running_cost": Decimal("1.5"), "cost": 1}
+    costs.add_to_row(CostDaily, key, added, {})  # the winner's row
+    real_filter = CostDaily.objects.filter
+    missed = []
+
+    class RowNotYetThere:  # the loser's first UPDATE ran before the winner's INSERT
+        def __init__(self, query):
+            self.query = query
+
+        def update(self, **fields):
+            if not missed:
+                missed.append(fields)
+                return 0
+            return self.query.update(**fields)
+
+    monkeypatch.setattr(CostDaily.objects, "filter", lambda **kw: RowNotYetThere(real_filter(**kw)))
+    costs.add_to_row(CostDaily, key, added, {})
+
+    assert missed
+    (row,) = CostDaily.objects.all()
+    assert row.attempts == 2 and row.cost == 2 and row.running_cost == Decimal("3.0")
+
+
 def test_rollups_equal_the_sum_of_job_costs(project, owner, teammate, outsider, rate):
     other = make_project("nlp", member=outsider)
     h100, a100 = make_node("n1"), make_node("n2", model="A100")

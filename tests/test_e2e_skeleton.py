@@ -173,3 +173,31 @@ def wait_until_gone(pids: list[int], timeout: float) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), f"still alive: {[p for p in pids if alive(p)]}"
+
+
+def test_sixty_short_jobs_each_run_once_and_no_gpu_is_ever_held_twice(stack):
+    """Short jobs back to back on the stack's one 4-GPU agent: every job ends after exactly one
+    attempt, and the attempts' own timings show no GPU taken by an attempt before the one holding
+    it had ended. The hand-off gaps are bounded loosely (speed is bench/throughput.py's)."""
+    from datetime import datetime
+
+    ids = [stack.submit(["echo", f"short {i}"], name=f"short-{i}")["id"] for i in range(60)]
+    jobs = [stack.wait_for(job_id, ("succeeded", "failed", "cancelled"), timeout=300) for job_id in ids]
+
+    assert [job["state"] for job in jobs] == ["succeeded"] * 60
+    assert [len(job["attempts"]) for job in jobs] == [1] * 60
+    by_gpu: dict[tuple[str, int], list[dict]] = {}
+    for job in jobs:
+        attempt = job["attempts"][0]
+        times = {key: datetime.fromisoformat(attempt[key]) for key in ("started_at", "running_at", "finished_at")}
+        for rank in attempt["placement"]:
+            for gpu in rank["gpus"]:
+                by_gpu.setdefault((rank["node"], gpu), []).append(times)
+    assert sum(len(held) for held in by_gpu.values()) == 60  # one GPU each
+    gaps = []
+    for held in by_gpu.values():
+        held.sort(key=lambda times: times["started_at"])
+        for before, after in zip(held, held[1:], strict=False):
+            assert after["started_at"] >= before["finished_at"], (before, after)
+            gaps.append((after["running_at"] - before["finished_at"]).total_seconds())
+    assert gaps and max(gaps) < 60, sorted(gaps)[-5:]

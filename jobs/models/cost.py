@@ -1,7 +1,7 @@
 """GPU-hour rates, budgets and what jobs cost: per job, and rolled up per day."""
 
 from django.conf import settings
-from django.db import models
+from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 from django.dispatch import receiver
 from django.utils import timezone
@@ -131,19 +131,32 @@ class JobCost(models.Model):
         job, c = attempt.job, attempt_cost_of(attempt)
         gpu_type = attempt.node.gpu_model
         keys = {"project_id": job.project_id, "user_id": job.submitted_by_id, "gpu_type": gpu_type}
-        cls.objects.get_or_create(job_id=job.pk, defaults=keys)
         wasted = c.cost if c.label in WASTED_LABELS else 0
-        cls.objects.filter(pk=job.pk).update(
-            gpu_type=gpu_type,
-            attempts=models.F("attempts") + 1,
-            gpu_seconds=models.F("gpu_seconds") + c.gpu_seconds,
-            preflight_cost=models.F("preflight_cost") + c.preflight_cost,
-            running_cost=models.F("running_cost") + c.running_cost,
-            cost=models.F("cost") + c.cost,
-            wasted_cost=models.F("wasted_cost") + wasted,
-        )
+        added = {
+            "attempts": 1,
+            "gpu_seconds": c.gpu_seconds,
+            "preflight_cost": c.preflight_cost,
+            "running_cost": c.running_cost,
+            "cost": c.cost,
+            "wasted_cost": wasted,
+        }
+        add_to_row(cls, {"job_id": job.pk}, added, keys, also_set={"gpu_type": gpu_type})
         day = (attempt.finished_at or timezone.now()).date()
         CostDaily.add(day=day, label=c.label, cost=c, **keys)
+
+
+def add_to_row(model, key: dict, added: dict, create_with: dict, also_set: dict | None = None) -> None:
+    """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
+    none: one UPDATE where the row exists, as it does for all but a job's or a day's first
+    attempt. Two writers creating the same row at once: the one that loses adds to the other's."""
+    increments = {field: models.F(field) + value for field, value in added.items()}
+    if model.objects.filter(**key).update(**increments, **(also_set or {})):
+        return
+    try:
+        with transaction.atomic():  # a savepoint: a lost race must not abort the finishing transaction
+            model.objects.create(**key, **create_with, **added)
+    except IntegrityError:
+        model.objects.filter(**key).update(**increments, **(also_set or {}))
 
 
 def attempt_cost_of(attempt: "Attempt", now=None, rates: list | None = None):
@@ -187,16 +200,15 @@ class CostDaily(models.Model):
 
     @classmethod
     def add(cls, day, project_id: int, user_id: int, gpu_type: str, label: str, cost) -> None:
-        row, _ = cls.objects.get_or_create(
-            day=day, project_id=project_id, user_id=user_id, gpu_type=gpu_type, label=label
-        )
-        cls.objects.filter(pk=row.pk).update(
-            attempts=models.F("attempts") + 1,
-            gpu_seconds=models.F("gpu_seconds") + cost.gpu_seconds,
-            preflight_cost=models.F("preflight_cost") + cost.preflight_cost,
-            running_cost=models.F("running_cost") + cost.running_cost,
-            cost=models.F("cost") + cost.cost,
-        )
+        key = {"day": day, "project_id": project_id, "user_id": user_id, "gpu_type": gpu_type, "label": label}
+        added = {
+            "attempts": 1,
+            "gpu_seconds": cost.gpu_seconds,
+            "preflight_cost": cost.preflight_cost,
+            "running_cost": cost.running_cost,
+            "cost": cost.cost,
+        }
+        add_to_row(cls, key, added, {})
 
 
 @receiver(attempt_finished)

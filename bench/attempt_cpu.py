@@ -1,0 +1,165 @@
+"""What does one short job cost in CPU, on each side, with no stack around it?
+
+The figure that bounds short-job throughput on a small machine: every process of a stack
+shares its cores, so jobs/s can be no more than cores / CPU seconds per job. This bench
+runs the pieces of one job in one process, in turn, and counts the CPU each takes:
+
+- submit: `submit_job` (what the web server does for POST /api/v1/jobs/, less HTTP);
+- pass: a scheduling pass that places 8 jobs, per job placed;
+- attempt: the agent's side of an `echo` attempt, `agent.runner.run_attempt` from begin
+  through preflight, spawn, output and the recorded outcome (with its cost, MLflow run
+  and the receivers of its end), counted over all the threads it uses.
+
+On an embedded default (SQLite in a temporary directory, the local MLflow store), or on
+PostgreSQL when DATABASE_URL is set (a fresh database, dropped after). Simulated GPUs,
+jobs unsandboxed (the sandbox's own cost is bench/start_latency.py --sandbox both's).
+
+    python bench/attempt_cpu.py [--quick] [--jobs N] [--profile]
+
+--profile prints where the attempt's CPU goes (cProfile, every thread; it slows what it
+measures about twofold). Last line: mode=... attempts=... attempt_cpu_ms=... submit_cpu_ms=...
+"""
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tests.livestack import UNSANDBOXED  # noqa: E402
+
+ROUND = 8  # jobs placed per pass: one simulated 8-GPU node
+PROFILES: list[cProfile.Profile] = []
+
+
+def profile_every_thread() -> None:
+    """cProfile each thread started from now on (per-thread CPU time), to merge at the end."""
+    start = threading.Thread.start
+
+    def profiled_start(thread: threading.Thread) -> None:
+        inner = thread.run
+
+        def run() -> None:
+            profile = cProfile.Profile(time.thread_time)
+            PROFILES.append(profile)
+            profile.runcall(inner)
+
+        thread.run = run
+        start(thread)
+
+    threading.Thread.start = profiled_start
+
+
+def setup():
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+    from agent import running
+    from agent.node import Agent
+    from fleet.gpus import detect_provider
+    from fleet.models import Node
+    from tests.factories import make_project, make_user
+
+    owner = make_user("bench")
+    make_project("bench", admin=owner)
+    agent = Agent("bench-node", detect_provider("bench-node", simulate=True, count=ROUND), 5.0)
+    node = agent.register()
+    Node.objects.filter(pk=node.pk).update(state="ready")
+    running.CURRENT = agent  # the preflight reads this agent's (simulated) GPUs, as on a node
+    return owner, node
+
+
+def one_round(owner, node) -> tuple[float, float, float, int]:
+    """Submit ROUND echo jobs, place them in one pass, run each attempt: CPU seconds of each step."""
+    from django.utils import timezone
+
+    from agent import runner
+    from fleet.models import Node
+    from jobs.api.serializers import JobSubmitSerializer
+    from jobs.scheduler import schedule_pass
+    from jobs.submission import submit_job
+
+    spec = {"project": "bench", "name": "echo", "command": ["echo", "hello"], "gpus_per_node": 1}
+    started = time.process_time()
+    for _ in range(ROUND):
+        checked = JobSubmitSerializer(data=dict(spec))
+        checked.is_valid(raise_exception=True)
+        submit_job(owner, checked.validated_data)
+    submitted = time.process_time()
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
+    placed = schedule_pass()
+    passed = time.process_time()
+    for attempt in placed:
+        runner.run_attempt(attempt.pk, 0)
+    ran = time.process_time()
+    return submitted - started, passed - submitted, ran - passed, len(placed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="40 attempts")
+    parser.add_argument("--jobs", type=int, help="attempts to time (rounded up to a multiple of 8)")
+    parser.add_argument("--profile", action="store_true", help="print where the attempts' CPU goes")
+    args = parser.parse_args()
+    jobs = args.jobs or (40 if args.quick else 160)
+
+    os.environ.update(UNSANDBOXED)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    os.environ["HANGAR_DATA_DIR"] = tempfile.mkdtemp(prefix="hangar-bench-attempt-")
+    admin_url, db_name = os.environ.get("DATABASE_URL", ""), None
+    if admin_url:
+        from scheduler import fresh_postgres
+
+        os.environ["DATABASE_URL"], db_name = fresh_postgres(admin_url)
+    try:
+        run(jobs, args.profile)
+    finally:
+        if db_name:
+            from django.db import connections
+            from scheduler import drop_postgres
+
+            connections.close_all()
+            drop_postgres(admin_url, db_name)
+
+
+def run(jobs: int, profile: bool) -> None:
+    from django.conf import settings
+
+    owner, node = setup()
+    one_round(owner, node)  # warm up: imports, the MLflow store and experiment, connections
+    one_round(owner, node)
+    main_thread = cProfile.Profile(time.thread_time)
+    if profile:
+        profile_every_thread()
+        main_thread.enable()
+    totals, wall = [0.0, 0.0, 0.0, 0], time.perf_counter()
+    while totals[3] < jobs:
+        totals = [a + b for a, b in zip(totals, one_round(owner, node), strict=True)]
+    wall = time.perf_counter() - wall
+    main_thread.disable()
+    submit, placing, attempts, count = totals
+    if profile:
+        stats = pstats.Stats(main_thread)
+        for other in PROFILES:
+            stats.add(other)
+        stats.sort_stats("cumulative").print_stats(r"/(agent|jobs|fleet|portal)/|mlflow/tracking/client", 40)
+    mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
+    print(f"{count} echo attempts, {wall / count * 1000:.1f} ms each of wall time, everything included")
+    print(
+        f"mode={mode} attempts={count} attempt_cpu_ms={attempts / count * 1000:.1f} "
+        f"submit_cpu_ms={submit / count * 1000:.1f} pass_cpu_ms={placing / count * 1000:.1f} "
+        f"job_cpu_ms={(submit + placing + attempts) / count * 1000:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
