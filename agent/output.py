@@ -405,7 +405,7 @@ class LogWriter(threading.Thread):
         the attempt ended). Those are stored late into their attempt, as a dead agent's spools
         are; what the rank prints after it was told is refused (the fence) while it is stopped."""
         try:
-            self.seq = store_lines(self.attempt.pk, rows)
+            self.seq = store_lines(self.attempt.pk, rows, fresh=not spooled)
         except AttemptNotCurrent:
             self.ended_seen_at = self.ended_seen_at or timezone.now()
             before = rows if spooled else [r for r in rows if r.ts <= self.ended_seen_at]

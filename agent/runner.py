@@ -216,6 +216,7 @@ class Runner:
             )
             return outcome, None
         # The job's MLflow run (tens of ms of store round trips) is made while the checks run.
+        pipelines.stage_run_by(self.job)  # read once, here: the run's tags and the start both need it
         self.tracking = InBackground(lambda: tracking.job_env(self.job, self.attempt), "mlflow-run")
         failures = run_preflight(self.attempt, self.job.gpu_type)  # records each check; a failure cordons
         if not failures and self.world_size > 1:

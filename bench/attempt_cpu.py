@@ -57,6 +57,27 @@ def profile_every_thread() -> None:
     threading.Thread.start = profiled_start
 
 
+class QueryCounter:
+    """Counts the SQL statements every thread sends (CPU noise aside, the work is in them)."""
+
+    def __init__(self):
+        from django.db.backends import utils
+
+        self.count = 0
+        self.lock = threading.Lock()
+        for name in ("execute", "executemany"):
+            original = getattr(utils.CursorWrapper, name)
+            setattr(utils.CursorWrapper, name, self.counting(original))
+
+    def counting(self, original):
+        def call(cursor, *args, **kwargs):
+            with self.lock:
+                self.count += 1
+            return original(cursor, *args, **kwargs)
+
+        return call
+
+
 def setup():
     import django
     from django.core.management import call_command
@@ -78,8 +99,9 @@ def setup():
     return owner, node
 
 
-def one_round(owner, node) -> tuple[float, float, float, int]:
-    """Submit ROUND echo jobs, place them in one pass, run each attempt: CPU seconds of each step."""
+def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, list[float]]:
+    """Submit ROUND echo jobs, place them in one pass, run each attempt: each step's CPU
+    seconds and SQL statements, and the attempts placed."""
     from django.utils import timezone
 
     from agent import runner
@@ -89,19 +111,27 @@ def one_round(owner, node) -> tuple[float, float, float, int]:
     from jobs.submission import submit_job
 
     spec = {"project": "bench", "name": "echo", "command": ["echo", "hello"], "gpus_per_node": 1}
-    started = time.process_time()
+    marks = [(time.process_time(), queries.count if queries else 0)]
+
+    def mark() -> None:
+        marks.append((time.process_time(), queries.count if queries else 0))
+
     for _ in range(ROUND):
         checked = JobSubmitSerializer(data=dict(spec))
         checked.is_valid(raise_exception=True)
         submit_job(owner, checked.validated_data)
-    submitted = time.process_time()
+    mark()
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
     placed = schedule_pass()
-    passed = time.process_time()
+    mark()
     for attempt in placed:
         runner.run_attempt(attempt.pk, 0)
-    ran = time.process_time()
-    return submitted - started, passed - submitted, ran - passed, len(placed)
+    mark()
+    steps = {}
+    for name, (before, after) in zip(("submit", "pass", "attempt"), zip(marks, marks[1:], strict=False), strict=True):
+        steps[name] = [after[0] - before[0], after[1] - before[1]]
+    steps["placed"] = [len(placed), 0]
+    return steps
 
 
 def main() -> None:
@@ -137,16 +167,22 @@ def run(jobs: int, profile: bool) -> None:
     owner, node = setup()
     one_round(owner, node)  # warm up: imports, the MLflow store and experiment, connections
     one_round(owner, node)
+    queries = QueryCounter()
     main_thread = cProfile.Profile(time.thread_time)
     if profile:
         profile_every_thread()
         main_thread.enable()
-    totals, wall = [0.0, 0.0, 0.0, 0], time.perf_counter()
-    while totals[3] < jobs:
-        totals = [a + b for a, b in zip(totals, one_round(owner, node), strict=True)]
+    totals = {name: [0.0, 0] for name in ("submit", "pass", "attempt", "placed")}
+    wall = time.perf_counter()
+    while totals["placed"][0] < jobs:
+        for name, (cpu, statements) in one_round(owner, node, queries).items():
+            totals[name][0] += cpu
+            totals[name][1] += statements
     wall = time.perf_counter() - wall
     main_thread.disable()
-    submit, placing, attempts, count = totals
+    count = int(totals["placed"][0])
+    cpu = {name: totals[name][0] / count * 1000 for name in ("submit", "pass", "attempt")}
+    sql = {name: totals[name][1] / count for name in ("submit", "pass", "attempt")}
     if profile:
         stats = pstats.Stats(main_thread)
         for other in PROFILES:
@@ -154,10 +190,12 @@ def run(jobs: int, profile: bool) -> None:
         stats.sort_stats("cumulative").print_stats(r"/(agent|jobs|fleet|portal)/|mlflow/tracking/client", 40)
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     print(f"{count} echo attempts, {wall / count * 1000:.1f} ms each of wall time, everything included")
+    for name in cpu:
+        print(f"  {name}: {cpu[name]:.1f} ms of CPU, {sql[name]:.1f} SQL statements per job")
     print(
-        f"mode={mode} attempts={count} attempt_cpu_ms={attempts / count * 1000:.1f} "
-        f"submit_cpu_ms={submit / count * 1000:.1f} pass_cpu_ms={placing / count * 1000:.1f} "
-        f"job_cpu_ms={(submit + placing + attempts) / count * 1000:.1f}"
+        f"mode={mode} attempts={count} attempt_cpu_ms={cpu['attempt']:.1f} attempt_sql={sql['attempt']:.1f} "
+        f"submit_cpu_ms={cpu['submit']:.1f} submit_sql={sql['submit']:.1f} pass_cpu_ms={cpu['pass']:.1f} "
+        f"job_cpu_ms={sum(cpu.values()):.1f} job_sql={sum(sql.values()):.1f}"
     )
 
 

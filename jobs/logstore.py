@@ -43,11 +43,14 @@ class AttemptNotCurrent(Exception):
     """The attempt ended (or was never started): its lines are refused."""
 
 
-def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True) -> int:
+def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True, fresh: bool = False) -> int:
     """Number and insert one batch of an attempt's lines, skipping those already stored; returns the last seq.
 
     Raises AttemptNotCurrent when the attempt no longer takes lines: when it is
     not started (current_only, a live writer's fence) or does not exist.
+    `fresh`: a batch never sent before (a live writer's first try), so none of it can be
+    stored yet and the look for stored lines is skipped; a batch sent again after an
+    error (its commit may have happened) is not fresh.
     """
     with transaction.atomic():
         # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
@@ -57,7 +60,8 @@ def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True)
             fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
         if not (job_id := fenced.values_list("job_id", flat=True).first()):
             raise AttemptNotCurrent(attempt_id)
-        rows = unstored(attempt_id, rows)
+        if not fresh:
+            rows = unstored(attempt_id, rows)
         last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
         for offset, row in enumerate(rows, start=1):
             row.seq = last + offset

@@ -125,9 +125,11 @@ def job_env(job: Job, attempt) -> dict[str, str]:
             won = Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
                 mlflow_experiment_id=exp, mlflow_run_id=run.info.run_id, tracking_error=""
             )
-            if not won:  # another rank's agent created the job's run first: use that one
+            if won:
+                job.mlflow_experiment_id, job.mlflow_run_id = exp, run.info.run_id
+            else:  # another rank's agent created the job's run first: use that one
                 client().delete_run(run.info.run_id)
-            job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
+                job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
         else:
             from mlflow.entities import RunTag
 

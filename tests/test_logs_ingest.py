@@ -178,11 +178,11 @@ def test_lines_wait_on_disk_while_the_database_is_down_and_none_is_lost(attempt,
     down.set()
     calls = []
 
-    def flaky(attempt_id, rows):
+    def flaky(attempt_id, rows, **kwargs):
         calls.append(len(rows))
         if down.is_set():
             raise OperationalError("connection refused")
-        return real(attempt_id, rows)
+        return real(attempt_id, rows, **kwargs)
 
     monkeypatch.setattr(logingest, "store_lines", flaky)
     q: queue.Queue = queue.Queue()
@@ -231,6 +231,19 @@ def test_the_same_batch_sent_twice_is_stored_once(attempt):
     assert [line.text for line in lines] == texts
     assert [line.seq for line in lines] == list(range(1, 101))
     assert last == 100
+
+
+def test_a_fresh_batch_skips_the_look_for_stored_lines_and_a_resent_one_does_not(attempt, django_assert_num_queries):
+    """A live writer's first try of a batch cannot find any of it stored: one statement fewer
+    per batch on the short-job path. Sent again (its commit may have happened), it is checked."""
+    texts = [f"line {i}" for i in range(10)]
+    # Inside the test's transaction: a savepoint and its release, the fence, the last seq, the insert.
+    with django_assert_num_queries(5):
+        logingest.store_lines(attempt.pk, new_lines(attempt, texts), fresh=True)
+    with django_assert_num_queries(5):  # the look for stored lines finds them all: no insert
+        last = logingest.store_lines(attempt.pk, new_lines(attempt, texts))
+
+    assert last == 10 and [line.text for line in stored(attempt)] == texts
 
 
 @pytest.mark.django_db(transaction=True)
@@ -382,10 +395,10 @@ def test_lines_spooled_while_cut_off_are_stored_late_into_an_attempt_that_ended_
     down = threading.Event()
     down.set()
 
-    def partitioned(attempt_id, rows, current_only=True):
+    def partitioned(attempt_id, rows, **kwargs):
         if down.is_set():
             raise OperationalError("no route to host")
-        return real(attempt_id, rows, current_only=current_only)
+        return real(attempt_id, rows, **kwargs)
 
     monkeypatch.setattr(logingest, "store_lines", partitioned)
     q: queue.Queue = queue.Queue()

@@ -140,17 +140,24 @@ class JobCost(models.Model):
             "cost": c.cost,
             "wasted_cost": wasted,
         }
-        add_to_row(cls, {"job_id": job.pk}, added, keys, also_set={"gpu_type": gpu_type})
+        # No other writer: a job has one live attempt, whose end this is.
+        add_to_row(cls, {"job_id": job.pk}, added, keys, also_set={"gpu_type": gpu_type}, racing=False)
         day = (attempt.finished_at or timezone.now()).date()
         CostDaily.add(day=day, label=c.label, cost=c, **keys)
 
 
-def add_to_row(model, key: dict, added: dict, create_with: dict, also_set: dict | None = None) -> None:
+def add_to_row(
+    model, key: dict, added: dict, create_with: dict, also_set: dict | None = None, racing: bool = True
+) -> None:
     """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
     none: one UPDATE where the row exists, as it does for all but a job's or a day's first
-    attempt. Two writers creating the same row at once: the one that loses adds to the other's."""
+    attempt. Two writers creating the same row at once (`racing`): the one that loses adds to
+    the other's."""
     increments = {field: models.F(field) + value for field, value in added.items()}
     if model.objects.filter(**key).update(**increments, **(also_set or {})):
+        return
+    if not racing:
+        model.objects.create(**key, **create_with, **added)
         return
     try:
         with transaction.atomic():  # a savepoint: a lost race must not abort the finishing transaction
