@@ -43,6 +43,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stack_env() -> dict[str, str]:
+    """This process's environment for a stack of its own, less its metrics folder: settings export
+    it for their own children, and a stack's `up` empties its folder at start (under parallel
+    workers, the test worker's, with the measurements its tests then scrape for)."""
+    return {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+
+
 class LiveStack:
     def __init__(
         self,
@@ -55,7 +62,7 @@ class LiveStack:
         self.port = free_port()
         self.password = secrets.token_urlsafe(12)
         self.env = {
-            **os.environ,
+            **stack_env(),
             "HANGAR_DATA_DIR": str(self.data_dir),
             "HANGAR_PORT": str(self.port),
             "HANGAR_ADMIN_PASSWORD": self.password,

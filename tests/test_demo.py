@@ -2,7 +2,6 @@
 (and the cordon's notification was delivered)."""
 
 import contextlib
-import os
 import secrets
 import signal
 import sqlite3
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.livestack import BASE_DIR, die_with_parent, free_port
+from tests.livestack import BASE_DIR, die_with_parent, free_port, stack_env
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +68,7 @@ class Demo:
 def running_demo():
     data = Path(tempfile.mkdtemp(prefix="hangar-demo-"))
     port, password = free_port(), secrets.token_urlsafe(12)
-    env = {**os.environ, "HANGAR_DATA_DIR": str(data), "HANGAR_PORT": str(port), "HANGAR_ADMIN_PASSWORD": password}
+    env = {**stack_env(), "HANGAR_DATA_DIR": str(data), "HANGAR_PORT": str(port), "HANGAR_ADMIN_PASSWORD": password}
     with (data / "demo.log").open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "manage.py", "demo"],

@@ -186,3 +186,14 @@ def test_the_dashboard_and_alerts_use_only_metrics_hangar_exports(client, projec
     exprs += [r["expr"] for group in rules["groups"] for r in group["rules"]]
     used = {m for e in exprs for m in re.findall(r"\b(hangar_[a-z_]+|DCGM_FI_[A-Z_]+)\b", e)}
     assert used and used <= exported, used - exported
+
+
+def test_a_stack_started_by_a_test_keeps_out_of_the_test_processs_metrics_folder(tmp_path):
+    """A stack's `up` empties its metrics folder at start: given this process's (settings export it),
+    it emptied the folder whose files this worker's later scrapes read (two tests failed in CI)."""
+    from tests.livestack import LiveStack
+
+    stack = LiveStack(data_dir=str(tmp_path))
+
+    assert "PROMETHEUS_MULTIPROC_DIR" in os.environ
+    assert "PROMETHEUS_MULTIPROC_DIR" not in stack.env
