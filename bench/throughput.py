@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -158,6 +158,8 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
         "succeeded": sum(1 for j in jobs.values() if j.state == "succeeded"),
         "cpu_per_job_ms": {role: spent * 1000 / count for role, spent in cpu.items() if role != "other"},
         "stages": stages,
+        # Attempts that did not end their job: why each was run again (a job should need one).
+        "rerun": Counter(f"{a.state}: {a.reason[:80]}" for a in attempts if a.state != jobs[a.job_id].state),
     }
 
 
@@ -178,6 +180,8 @@ def report(label: str, result: dict) -> None:
     print(f"  stages p50/p99 ms: {stages}")
     cpu = ", ".join(f"{role} {ms:.1f}" for role, ms in result["cpu_per_job_ms"].items())
     print(f"  CPU ms per job: {cpu}")
+    for why, times in result["rerun"].most_common(5):
+        print(f"  run again {times}x after an attempt {why}")
 
 
 def main() -> None:
