@@ -10,8 +10,11 @@ output is the rank's output, in the job's log under its rank.
 Rank 0's process is a small wrapper (`HEAD_WRAPPER`, run by the environment's python): it
 starts the head, waits for the agent's word that every node joined, then execs the driver,
 so the attempt's outcome is the driver's exit code. The agent decides the join
-(`join_decision` over `ray status`), records it as the `ray-join` check with its evidence,
-and blames a node as a failed rendezvous does (fleet/rendezvous.py).
+(`join_decision` over what `JOIN_WATCHER` reads from the GCS) and records it as the
+`ray-join` check with its evidence. The watcher runs the job's own ray, so it runs as the
+job does (its uid, its sandbox: `confine`), and what it reports is the job's word: a cluster
+that does not form fails the attempt, and makes no node a suspect (the nodes' reachability
+is the rendezvous check's, which Hangar's own agents make before Ray starts).
 
 Ports: each attempt has a block of PORT_BLOCK ports from HANGAR_RAY_PORT_BASE, chosen by its
 MASTER_PORT (attempt id mod SLOTS): the GCS at the block's start, then RANK_PORTS for each rank
@@ -26,6 +29,7 @@ import re
 import select
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,15 +218,26 @@ def clean_up(workdir: Path, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-class Watch:
-    """What the cluster holds now, as JOIN_WATCHER reports it (or `ray status`, where it cannot)."""
+# Runs a helper as the job's own processes run: (argv, env) -> (argv, env, Popen's user arguments).
+Confine = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str], dict]]
 
-    def __init__(self, bin_dir: Path | None, env: dict[str, str], address: str):
-        self.bin_dir, self.env, self.address = bin_dir, env, address
+
+def unconfined(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str], dict]:
+    return argv, env, {}
+
+
+class Watch:
+    """What the cluster holds now, as JOIN_WATCHER reports it (or `ray status`, where it cannot).
+    Both run the job's environment's python and ray, so `confine` runs them as the job."""
+
+    def __init__(self, bin_dir: Path | None, env: dict[str, str], address: str, confine: Confine = unconfined):
+        self.bin_dir, self.env, self.address, self.confine = bin_dir, env, address, confine
         python = str(bin_dir / "python") if bin_dir is not None else "python"
+        argv, env, user = confine([python, "-c", JOIN_WATCHER, address], env)
         self.proc = subprocess.Popen(
-            [python, "-c", JOIN_WATCHER, address],
+            argv,
             env=env,
+            **user,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -247,7 +262,7 @@ class Watch:
             if self.proc.poll() is None:
                 return self.last
             self.fallback = True  # no GcsClient in this ray: ask `ray status`
-        text, error = status(self.bin_dir, self.env, self.address)
+        text, error = status(self.bin_dir, self.env, self.address, self.confine)
         return active_nodes(text), joined_ranks(text), error or self.last[2]
 
     def close(self) -> None:
@@ -256,13 +271,17 @@ class Watch:
         self.proc.stdout.close()
 
 
-def status(prefix_bin: Path | None, env: dict[str, str], address: str) -> tuple[str, str]:
+def status(
+    prefix_bin: Path | None, env: dict[str, str], address: str, confine: Confine = unconfined
+) -> tuple[str, str]:
     """(`ray status`'s text, error text) of the cluster at `address`."""
     ray = str(prefix_bin / "ray") if prefix_bin is not None else "ray"
+    argv, env, user = confine([ray, "status", f"--address={address}"], env)
     try:
         done = subprocess.run(
-            [ray, "status", f"--address={address}"],
+            argv,
             env=env,
+            **user,
             capture_output=True,
             text=True,
             timeout=STATUS_SECONDS,

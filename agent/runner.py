@@ -35,10 +35,9 @@ from agent.output import LogWriter
 from agent.preflight import rendezvous_reachable, run_preflight, run_rendezvous
 from agent.running import RUNNING
 from agent.running import lock as _running_lock
-from fleet.models import GPU, HealthEvent, Node
+from fleet.models import HealthEvent, Node
 from fleet.preflight import Result
 from fleet.preflight import record as record_checks
-from fleet.rendezvous import OWN_HOST, Failure, blame
 from jobs import pipelines, secret_env, tracking
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Launcher, Stream, lease_from
 from portal.models import volume_env_name
@@ -565,8 +564,7 @@ class Runner:
         """This rank's Ray node (and on rank 0 the driver after it), with the cluster's variables."""
         ports, head = self.ray_ports(), self.master_addr()
         node_addr = head if self.rank == 0 else (self.node.address or self.node.hostname or self.node.name)
-        node_gpus = GPU.objects.filter(node=self.node).count()
-        cpus = raycluster.cpu_share(os.cpu_count() or 1, len(self.gpus), node_gpus)
+        cpus = raycluster.cpu_share(os.cpu_count() or 1, len(self.gpus), self.node.gpu_count)
         start = raycluster.start_argv(self.rank, ports, head, node_addr, len(self.gpus), cpus, self.ray_temp_dir())
         what = "head" if self.rank == 0 else f"node joining {head}:{ports.gcs}"
         self.system(f"ray: starting the {what} ({cpus} CPUs, {len(self.gpus)} GPUs, GCS port {ports.gcs})")
@@ -615,7 +613,7 @@ class Runner:
                     reached, evidence = rendezvous_reachable(self.master_addr(), self.ray_ports().gcs, 1.0)
                     seen, error = 0, "" if reached else evidence
                     if reached:
-                        watch = raycluster.Watch(self.ray_bin(), env, address)
+                        watch = raycluster.Watch(self.ray_bin(), env, address, self.as_job)
                     else:
                         time.sleep(0.2)
                 else:
@@ -629,8 +627,17 @@ class Runner:
                 watch.close()
         self.ray_joined(decision, address, ranks, elapsed)
 
+    def as_job(self, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str], dict]:
+        """A helper that runs the job's own code (its environment's python, its ray) runs as this
+        rank's process does: the job's uid, in its sandbox (raycluster.Confine)."""
+        if self.launch is not None:
+            argv, env = self.launch.wrap(argv, env, self.workdir())
+            return argv, env, self.launch.popen_user()
+        return argv, env, environments.popen_user(self.job, environments.job_user())
+
     def ray_joined(self, decision: raycluster.Join, address: str, ranks: set[int], elapsed: float) -> None:
-        """Record the join check; then let the driver start, or fail the attempt blaming a node."""
+        """Record the join check; then let the driver start, or fail the attempt (infra, requeued).
+        No node is made a suspect: the join is what the job's own ray did and reported."""
         result = Result("ray-join", decision.passed, decision.evidence, elapsed * 1000)
         record_checks(self.node, [result], "preflight", self.attempt)
         if decision.passed:
@@ -638,18 +645,11 @@ class Runner:
             self.ray_driver_started = True
             self.system(f"ray: {decision.evidence}; starting the driver with RAY_ADDRESS={address}")
             return
-        suspect = self.blame_ray_join(ranks, decision.evidence)
-        reason = f"ray: the cluster did not form: {decision.evidence} (suspect: node {suspect.name})"
+        missing = [r for r in range(self.world_size) if r not in ranks]
+        where = f"; missing: rank {', '.join(map(str, missing))}" if ranks and missing else ""
+        reason = f"ray: the cluster did not form: {decision.evidence}{where}"
         self.system(reason, error=True)
         self.request_stop(AttemptState.FAILED, FailureClass.INFRA, reason)
-
-    def blame_ray_join(self, joined: set[int], evidence: str) -> Node:
-        """A head no one joined points at rank 0's node; else the first rank missing points at its own."""
-        missing = [r for r in range(1, self.world_size) if r not in joined]
-        rank = missing[0] if joined and missing else 0
-        node = self.node if rank == 0 else Node.objects.get(pk=self.attempt.ranks[rank]["node_id"])
-        suspect, _ = blame(self.attempt, rank, node, self.node, Failure(OWN_HOST, evidence))
-        return suspect
 
     def keep_lease(self) -> None:
         """Outside the watch loop (preflight and start; after the exit, until the outcome is
