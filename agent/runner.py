@@ -407,17 +407,20 @@ class Runner:
         if self.launch is not None and not container:
             argv, env = self.launch.wrap(argv, env, self.workdir())
         popen_user = environments.popen_user(self.job, user) if self.launch is None else self.launch.popen_user()
+        popen_user = popen_user if not container else {}
+        limit = settings.HANGAR_JOB_MEMORY_LIMIT_MB
+        if (leader := sandbox.leader_argv(argv, popen_user, limit, sandbox.tools())) is not None:
+            spawn = {"args": leader}  # spawned with vfork (see leader_argv)
+        else:  # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG
+            spawn = {"args": argv, "preexec_fn": job_preexec(limit), **popen_user}
         proc = subprocess.Popen(
-            argv,
             env=env,
             cwd=self.workdir(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so cancel reaches every child
-            # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG.
-            preexec_fn=job_preexec(settings.HANGAR_JOB_MEMORY_LIMIT_MB),
-            **(popen_user if not container else {}),
+            **spawn,
         )
         self.reaper = start_reaper(proc.pid)
         lines = MaskedLines(self.lines, list(self.job.secret_env.values()))

@@ -65,6 +65,7 @@ class QueryCounter:
 
         self.count = 0
         self.lock = threading.Lock()
+        self.recorded: list[str] | None = None  # the statements' text, when asked to keep it
         for name in ("execute", "executemany"):
             original = getattr(utils.CursorWrapper, name)
             setattr(utils.CursorWrapper, name, self.counting(original))
@@ -73,6 +74,8 @@ class QueryCounter:
         def call(cursor, *args, **kwargs):
             with self.lock:
                 self.count += 1
+                if self.recorded is not None:
+                    self.recorded.append(f"[{threading.current_thread().name}] {str(args[0])[:160]}")
             return original(cursor, *args, **kwargs)
 
         return call
@@ -134,11 +137,35 @@ def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, lis
     return steps
 
 
+def print_one_attempt(owner, node, queries: QueryCounter) -> None:
+    """The statements of a round's last attempt, in order, with the thread that sent each."""
+    from agent import runner
+
+    runs = []
+    original = runner.run_attempt
+
+    def recording(attempt_id, rank):
+        queries.recorded = []
+        original(attempt_id, rank)
+        runs.append(queries.recorded)
+        queries.recorded = None
+
+    runner.run_attempt = recording
+    try:
+        one_round(owner, node, queries)
+    finally:
+        runner.run_attempt = original
+    print(f"one echo attempt, {len(runs[-1])} statements:")
+    for statement in runs[-1]:
+        print("  " + statement)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="40 attempts")
     parser.add_argument("--jobs", type=int, help="attempts to time (rounded up to a multiple of 8)")
     parser.add_argument("--profile", action="store_true", help="print where the attempts' CPU goes")
+    parser.add_argument("--sql", action="store_true", help="print the SQL statements of one attempt")
     args = parser.parse_args()
     jobs = args.jobs or (40 if args.quick else 160)
 
@@ -151,7 +178,7 @@ def main() -> None:
 
         os.environ["DATABASE_URL"], db_name = fresh_postgres(admin_url)
     try:
-        run(jobs, args.profile)
+        run(jobs, args.profile, args.sql)
     finally:
         if db_name:
             from django.db import connections
@@ -161,13 +188,15 @@ def main() -> None:
             drop_postgres(admin_url, db_name)
 
 
-def run(jobs: int, profile: bool) -> None:
+def run(jobs: int, profile: bool, sql: bool = False) -> None:
     from django.conf import settings
 
     owner, node = setup()
     one_round(owner, node)  # warm up: imports, the MLflow store and experiment, connections
     one_round(owner, node)
     queries = QueryCounter()
+    if sql:
+        print_one_attempt(owner, node, queries)
     main_thread = cProfile.Profile(time.thread_time)
     if profile:
         profile_every_thread()

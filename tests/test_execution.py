@@ -1,5 +1,6 @@
 """The agent's Runner: handing GPUs over between attempts, and how a rank learns that it must stop."""
 
+import subprocess
 import sys
 import threading
 import time
@@ -198,3 +199,30 @@ def running_in_group(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+def test_the_job_is_spawned_without_forking_the_agent(transactional_db, project, owner, settings, monkeypatch):
+    """No preexec function and no uid for Popen (so it uses vfork): the memory limit and the
+    parent-death signal come from prlimit and setpriv in the argv (agent/sandbox.leader_argv)."""
+    settings.HANGAR_JOB_MEMORY_LIMIT_MB = 2048
+    make_node("node-a", gpus=1)
+    job = make_job(project, owner, command=["sh", "-c", "ulimit -v"])
+    spawned = []
+    popen = subprocess.Popen
+
+    def recording(*args, **kwargs):
+        if kwargs.get("stdout") is subprocess.PIPE and kwargs.get("stderr") is subprocess.PIPE:
+            spawned.append(kwargs)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(execution.subprocess, "Popen", recording)
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    (kwargs,) = spawned
+    assert not {"preexec_fn", "user", "group", "extra_groups"} & set(kwargs)
+    assert Path(kwargs["args"][0]).name in ("prlimit", "setpriv")
+    texts = list(LogLine.objects.filter(attempt=attempt).values_list("text", flat=True))
+    assert str(2048 * 1024) in texts  # RLIMIT_AS in KiB, as the job saw it

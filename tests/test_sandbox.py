@@ -4,6 +4,7 @@ uids inside real bubblewrap (as root), trying what the attacks of issue 15 tried
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import textwrap
 import threading
@@ -18,12 +19,15 @@ from agent.sandbox import (
     Bind,
     Launch,
     Sandbox,
+    Tools,
     bwrap_argv,
     gpu_devices,
     hidden_mounts,
     isolation,
     job_uid,
+    leader_argv,
     prepare_node,
+    tools,
 )
 from fleet.models import GPU
 from jobs import scheduler
@@ -156,6 +160,73 @@ def test_bwraps_exit_code_for_a_signal_is_the_signal_again():
     launch = Launch(200007, box())
     assert [launch.returncode(c) for c in (0, 1, 137, 143, 255)] == [0, 1, -9, -15, 255]
     assert Launch(200007, None).returncode(137) == 137
+
+
+TOOLS = Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", "/usr/bin/prlimit")
+DEATH = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"]
+
+
+@pytest.mark.parametrize(
+    "as_user, limit_mb, found, euid, expected",
+    [
+        ({}, 0, TOOLS, 0, [*DEATH, "cmd"]),
+        ({}, 2, TOOLS, 1000, ["/usr/bin/prlimit", "--as=2097152:2097152", "--", *DEATH, "cmd"]),
+        # the uid change clears the parent-death signal: set again after it
+        (
+            {"user": 200007, "group": 200007, "extra_groups": []},
+            0,
+            TOOLS,
+            0,
+            [*DEATH, "/usr/bin/setpriv", "--reuid=200007", "--regid=200007", "--clear-groups", "--", *DEATH, "cmd"],
+        ),
+        (
+            {"user": 1001, "group": 1001, "extra_groups": [27, 1001]},
+            0,
+            TOOLS,
+            0,
+            [*DEATH, "/usr/bin/setpriv", "--reuid=1001", "--regid=1001", "--groups=27,1001", "--", *DEATH, "cmd"],
+        ),
+        # a missing program, or a uid an agent that is not root may not take: forked as before
+        ({}, 0, Tools("/usr/bin/bwrap", None, "/usr/bin/env", "/usr/bin/prlimit"), 0, None),
+        ({}, 512, Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", None), 0, None),
+        ({"user": 1001, "group": 1001, "extra_groups": []}, 0, TOOLS, 1000, None),
+    ],
+)
+def test_the_job_leaders_argv_does_what_a_preexec_function_did(as_user, limit_mb, found, euid, expected):
+    assert leader_argv(["cmd"], as_user, limit_mb, found, euid=euid) == expected
+
+
+def started_by_a_thread_that_ends(argv: list[str], cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Start argv from a thread that ends once the command printed its first line (a parent
+    that dies before the death signal is set is never seen: the thread outlives that)."""
+    started = []
+
+    def start() -> None:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True)
+        started.append((proc, proc.stdout.readline().strip()))
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    return started[0]
+
+
+def test_the_job_leader_dies_with_the_thread_that_started_it():
+    found = tools()
+    if found.setpriv is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    proc, first = started_by_a_thread_that_ends(leader_argv(["sh", "-c", "echo up; exec sleep 30"], {}, 0, found))
+    assert first == "up"
+    assert proc.wait(timeout=10) == -9
+
+
+@as_root
+def test_the_job_leader_keeps_its_parent_death_signal_and_memory_limit_after_the_uid_change(public_dir):
+    as_user = {"user": 200011, "group": 200011, "extra_groups": []}
+    argv = leader_argv([SH, "-c", 'echo "$(id -u) $(ulimit -v)"; exec sleep 30'], as_user, 1024, tools())
+    proc, first = started_by_a_thread_that_ends(argv, cwd=public_dir)
+    assert first == "200011 1048576"  # the uid, and RLIMIT_AS in KiB
+    assert proc.wait(timeout=10) == -9
 
 
 # --- real jobs, real uids, real bubblewrap ------------------------------------------------
