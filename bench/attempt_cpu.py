@@ -217,6 +217,10 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
         for other in PROFILES:
             stats.add(other)
         stats.sort_stats("cumulative").print_stats(r"/(agent|jobs|fleet|portal)/|mlflow/tracking/client", 40)
+        if os.environ.get("BENCH_DUMP"):
+            stats.dump_stats(os.environ["BENCH_DUMP"])
+        if os.environ.get("BENCH_TOTTIME"):
+            stats.sort_stats("tottime").print_stats(40)
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     print(f"{count} echo attempts, {wall / count * 1000:.1f} ms each of wall time, everything included")
     for name in cpu:

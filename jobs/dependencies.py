@@ -65,20 +65,23 @@ def settle(job: Job) -> None:
         blocked.exclude(state_reason=found.reason).update(state_reason=found.reason)
 
 
-def settle_dependents(job_id: int) -> None:
-    """A job ended: settle the blocked jobs of its project that depend on it."""
-    job = Job.objects.filter(pk=job_id).values("state", "project_id").first()
-    if job is None or job["state"] not in FINAL_JOB_STATES:
-        return  # requeued, or a cancel only asked for: not over yet
-    for dependent in Job.objects.filter(project_id=job["project_id"], state=JobState.BLOCKED).only("depends_on"):
+def settle_dependents(job_id: int, project_id: int | None = None) -> None:
+    """A job ended: settle the blocked jobs of its project that depend on it. `project_id`
+    when the caller knows the job is over (and its project); read here otherwise."""
+    if project_id is None:
+        job = Job.objects.filter(pk=job_id).values("state", "project_id").first()
+        if job is None or job["state"] not in FINAL_JOB_STATES:
+            return  # requeued, or a cancel only asked for: not over yet
+        project_id = job["project_id"]
+    for dependent in Job.objects.filter(project_id=project_id, state=JobState.BLOCKED).only("depends_on"):
         if any(d["job"] == job_id for d in dependent.depends_on):
             settle(dependent)
 
 
 @receiver(attempt_finished)
-def _after_an_attempt(sender, attempt, **kwargs) -> None:
-    job_id = attempt.job_id
-    transaction.on_commit(lambda: settle_dependents(job_id))
+def _after_an_attempt(sender, attempt, job, **kwargs) -> None:
+    if job.is_final:  # requeued, or a cancel only asked for: not over yet
+        transaction.on_commit(lambda: settle_dependents(job.pk, job.project_id))
 
 
 @receiver(job_ended)

@@ -392,9 +392,9 @@ def run_over(job_id: int) -> None:
 
 
 @receiver(attempt_finished)
-def _after_an_attempt(sender, attempt, **kwargs) -> None:
-    job_id = attempt.job_id
-    transaction.on_commit(lambda: run_over(job_id))
+def _after_an_attempt(sender, attempt, job, **kwargs) -> None:
+    if job.staged:
+        transaction.on_commit(lambda: run_over(job.pk))
 
 
 @receiver(job_ended)

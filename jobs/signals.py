@@ -2,8 +2,9 @@
 
 from django.dispatch import Signal
 
-# An attempt ended (attempt=Attempt), sent inside the transaction that ended it: its cost is
-# added there (jobs/models/cost.py), and its MLflow run is ended after commit (jobs/tracking.py).
+# An attempt ended (attempt=Attempt, job=JobMoved: the job as that end left it), sent inside
+# the transaction that ended it: its cost is added there (jobs/models/cost.py), and its MLflow
+# run is ended after commit (jobs/tracking.py).
 attempt_finished = Signal()
 
 # A job ended without an attempt ending (job=Job): a queued job cancelled. (A job that ends

@@ -254,16 +254,20 @@ def cancel(sweep: Sweep, by, reason: str) -> int:
 def _advance_after_commit(job_id: int) -> None:
     sweep_id = Job.objects.filter(pk=job_id, state__in=FINAL_JOB_STATES).values_list("sweep_id", flat=True).first()
     if sweep_id:
-        try:
-            advance(sweep_id)
-        except Exception:  # a failed advance must not fail the end of the job that triggered it
-            log.exception("sweep %s: the next variants were not submitted", sweep_id)
+        _advance_safely(sweep_id)
+
+
+def _advance_safely(sweep_id: int) -> None:
+    try:
+        advance(sweep_id)
+    except Exception:  # a failed advance must not fail the end of the job that triggered it
+        log.exception("sweep %s: the next variants were not submitted", sweep_id)
 
 
 @receiver(attempt_finished)
-def _after_an_attempt(sender, attempt, **kwargs) -> None:
-    job_id = attempt.job_id
-    transaction.on_commit(lambda: _advance_after_commit(job_id))
+def _after_an_attempt(sender, attempt, job, **kwargs) -> None:
+    if job.sweep_id and job.is_final:
+        transaction.on_commit(lambda: _advance_safely(job.sweep_id))
 
 
 @receiver(job_ended)

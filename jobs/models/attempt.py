@@ -1,15 +1,17 @@
 """Attempts: one try of a job on a concrete placement, with its lease and its end."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import models, transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from jobs.models.job import Job, JobEvent
 from jobs.models.states import (
     ACTIVE_ATTEMPT_STATES,
+    FINAL_JOB_STATES,
     STARTED_ATTEMPT_STATES,
     STATE_COLOURS,
     AttemptState,
@@ -18,6 +20,25 @@ from jobs.models.states import (
 )
 from jobs.signals import attempt_finished
 from portal import wakeup
+
+
+@dataclass(frozen=True)
+class JobMoved:
+    """The job as the transaction that ended one of its attempts left it: what the receivers
+    of attempt_finished need (its cost, its dependents, its sweep, its pipeline run), read
+    once under the job's lock instead of once by each of them."""
+
+    pk: int
+    state: str
+    project_id: int
+    submitted_by_id: int
+    sweep_id: int | None
+    gpus: int
+    staged: bool  # it runs a stage of a pipeline run (a reused stage runs nothing)
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL_JOB_STATES
 
 
 class Attempt(models.Model):
@@ -152,23 +173,47 @@ class Attempt(models.Model):
             if not ended:
                 return False
             self.state, self.failure_class, self.reason, self.exit_code = state, failure_class, reason, exit_code
-            self._move_job_on(now)
+            self.finished_at, self.lease_expires_at = now, None
+            job = self._move_job_on(now)
             # First, so the wake-up is the first thing after the commit: the receivers' own
             # after-commit work (the MLflow run's end, a diagnosis) must not delay the hand-off
             # of its GPUs to the next job.
             wakeup.request_pass()  # its GPUs are free, and the job may be queued again
-            attempt_finished.send(sender=Attempt, attempt=self)  # its cost, its MLflow run
+            attempt_finished.send(sender=Attempt, attempt=self, job=job)  # its cost, its MLflow run
         return True
 
-    def _move_job_on(self, now) -> None:
-        job = Job.objects.select_for_update().get(pk=self.job_id)
-        if job.is_final:
-            return
-        if self.state == AttemptState.CANCELLED or self._cancel_was_requested():
+    def _move_job_on(self, now) -> JobMoved:
+        """Move the job on from this attempt's end (unless it is over already): one read of it,
+        locked, with whether a cancel was asked of this attempt meanwhile."""
+        from jobs.models.pipeline import PipelineStage
+
+        row = (
+            Job.objects.select_for_update()
+            .filter(pk=self.job_id)
+            .values(
+                *("state", "retries", "max_retries", "requeues", "preemptions", "gpus_per_node", "nodes"),
+                *("project_id", "submitted_by_id", "sweep_id"),
+                # Read again: a cancel may have been asked after this object was loaded.
+                cancel_asked=Exists(Attempt.objects.filter(pk=self.pk, cancel_requested_at__isnull=False)),
+                staged=Exists(PipelineStage.objects.filter(job_id=OuterRef("pk"), reused=False)),
+            )
+            .get()
+        )
+        moved = {
+            "pk": self.job_id,
+            "project_id": row["project_id"],
+            "submitted_by_id": row["submitted_by_id"],
+            "sweep_id": row["sweep_id"],
+            "gpus": row["gpus_per_node"] * row["nodes"],
+            "staged": row["staged"],
+        }
+        if row["state"] in FINAL_JOB_STATES:
+            return JobMoved(state=row["state"], **moved)
+        if self.state == AttemptState.CANCELLED or row["cancel_asked"]:
             kind, update = JobState.CANCELLED, {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED}
         elif self.state == AttemptState.SUCCEEDED:
             kind, update = JobState.SUCCEEDED, {"state": JobState.SUCCEEDED, "failure_class": ""}
-        elif requeue := requeue_for(self.failure_class, job):
+        elif requeue := requeue_for(self.failure_class, row):
             kind, update = requeue
             update.update(state=JobState.QUEUED, queued_at=now)
         else:
@@ -176,12 +221,9 @@ class Attempt(models.Model):
         if update["state"] != JobState.QUEUED:
             update.update(finished_at=now, exit_code=self.exit_code)
         update["state_reason"] = self.reason
-        Job.objects.filter(pk=job.pk).update(**update)
-        JobEvent.objects.create(job_id=job.pk, attempt=self, kind=kind, message=self.reason)
-
-    def _cancel_was_requested(self) -> bool:
-        # Read again: a cancel may have been asked after this object was loaded.
-        return Attempt.objects.filter(pk=self.pk, cancel_requested_at__isnull=False).exists()
+        Job.objects.filter(pk=self.job_id).update(**update)
+        JobEvent.objects.create(job_id=self.job_id, attempt=self, kind=kind, message=self.reason)
+        return JobMoved(state=update["state"], **moved)
 
     @classmethod
     def expire_leases(cls) -> list["Attempt"]:
@@ -210,16 +252,17 @@ class Attempt(models.Model):
         return ended + [a for a in partial if a.finish(AttemptState.LOST, FailureClass.INFRA, missing)]
 
 
-def requeue_for(failure_class: str, job: Job) -> tuple[str, dict] | None:
+def requeue_for(failure_class: str, counts: dict) -> tuple[str, dict] | None:
     """Whether a job whose attempt ended this way goes back to the queue: the event
     kind and the counter it uses. Only the command's own failures use the job's
-    retry budget; infrastructure losses and preemptions have caps against loops."""
-    if failure_class == FailureClass.USER and job.retries < job.max_retries:
-        return "retry", {"retries": job.retries + 1}
-    if failure_class == FailureClass.INFRA and job.requeues < settings.HANGAR_MAX_REQUEUES:
-        return "requeue", {"requeues": job.requeues + 1}
-    if failure_class == FailureClass.PREEMPTED and job.preemptions < settings.HANGAR_MAX_PREEMPTIONS:
-        return "preempted", {"preemptions": job.preemptions + 1}
+    retry budget; infrastructure losses and preemptions have caps against loops.
+    `counts`: the job's retries, max_retries, requeues and preemptions."""
+    if failure_class == FailureClass.USER and counts["retries"] < counts["max_retries"]:
+        return "retry", {"retries": counts["retries"] + 1}
+    if failure_class == FailureClass.INFRA and counts["requeues"] < settings.HANGAR_MAX_REQUEUES:
+        return "requeue", {"requeues": counts["requeues"] + 1}
+    if failure_class == FailureClass.PREEMPTED and counts["preemptions"] < settings.HANGAR_MAX_PREEMPTIONS:
+        return "preempted", {"preemptions": counts["preemptions"] + 1}
     return None
 
 

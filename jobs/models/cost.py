@@ -125,11 +125,24 @@ class JobCost(models.Model):
         indexes = [models.Index(fields=["project", "cost"]), models.Index(fields=["gpu_type", "cost"])]
 
     @classmethod
-    def record_attempt(cls, attempt_id: int) -> None:
-        """Add a finished attempt to its job's cost and the day's roll-up (inside the finishing transaction)."""
-        attempt = Attempt.objects.select_related("job", "node").get(pk=attempt_id)
-        job, c = attempt.job, attempt_cost_of(attempt)
-        gpu_type = attempt.node.gpu_model
+    def record_attempt(cls, attempt: Attempt, job) -> None:
+        """Add a finished attempt to its job's cost and the day's roll-up (inside the finishing
+        transaction). `job`: the JobMoved its end made; the attempt's own state is in memory."""
+        started_at, running_at, placement, gpu_indices, gpu_type = (
+            Attempt.objects.filter(pk=attempt.pk)
+            .values_list("started_at", "running_at", "placement", "gpu_indices", "node__gpu_model")
+            .get()
+        )
+        c = attempt_cost(
+            gpus_of(placement or [{"gpus": gpu_indices}], job.gpus),
+            started_at,
+            running_at,
+            attempt.finished_at,
+            GpuRate.rates_for(gpu_type),
+            timezone.now(),
+            attempt.state,
+            attempt.failure_class,
+        )
         keys = {"project_id": job.project_id, "user_id": job.submitted_by_id, "gpu_type": gpu_type}
         wasted = c.cost if c.label in WASTED_LABELS else 0
         added = {
@@ -140,21 +153,29 @@ class JobCost(models.Model):
             "cost": c.cost,
             "wasted_cost": wasted,
         }
-        # No other writer: a job has one live attempt, whose end this is.
-        add_to_row(cls, {"job_id": job.pk}, added, keys, also_set={"gpu_type": gpu_type}, racing=False)
+        # No other writer: a job has one live attempt, whose end this is. Its first has no row yet.
+        add_to_row(
+            cls, {"job_id": job.pk}, added, keys, also_set={"gpu_type": gpu_type}, racing=False, new=attempt.number == 1
+        )
         day = (attempt.finished_at or timezone.now()).date()
         CostDaily.add(day=day, label=c.label, cost=c, **keys)
 
 
 def add_to_row(
-    model, key: dict, added: dict, create_with: dict, also_set: dict | None = None, racing: bool = True
+    model,
+    key: dict,
+    added: dict,
+    create_with: dict,
+    also_set: dict | None = None,
+    racing: bool = True,
+    new: bool = False,
 ) -> None:
     """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
     none: one UPDATE where the row exists, as it does for all but a job's or a day's first
-    attempt. Two writers creating the same row at once (`racing`): the one that loses adds to
-    the other's."""
+    attempt; one INSERT when the caller knows there is none yet (`new`, with no race). Two
+    writers creating the same row at once (`racing`): the one that loses adds to the other's."""
     increments = {field: models.F(field) + value for field, value in added.items()}
-    if model.objects.filter(**key).update(**increments, **(also_set or {})):
+    if not (new and not racing) and model.objects.filter(**key).update(**increments, **(also_set or {})):
         return
     if not racing:
         model.objects.create(**key, **create_with, **added)
@@ -166,11 +187,16 @@ def add_to_row(
         model.objects.filter(**key).update(**increments, **(also_set or {}))
 
 
+def gpus_of(ranks: list[dict], job_gpus: int) -> int:
+    """The GPUs an attempt holds: every rank's (the job's count for an attempt with none listed)."""
+    return sum(len(rank["gpus"]) for rank in ranks) or job_gpus
+
+
 def attempt_cost_of(attempt: "Attempt", now=None, rates: list | None = None):
     """The cost of one attempt (so far, while it runs) at the rates of its node's GPU type
     (`rates`, when the caller has loaded them already)."""
     return attempt_cost(
-        sum(len(rank["gpus"]) for rank in attempt.ranks) or attempt.job.gpus,  # every rank's GPUs
+        gpus_of(attempt.ranks, attempt.job.gpus),
         attempt.started_at,
         attempt.running_at,
         attempt.finished_at,
@@ -219,5 +245,5 @@ class CostDaily(models.Model):
 
 
 @receiver(attempt_finished)
-def _add_attempt_cost(sender, attempt: Attempt, **kwargs) -> None:
-    JobCost.record_attempt(attempt.pk)
+def _add_attempt_cost(sender, attempt: Attempt, job, **kwargs) -> None:
+    JobCost.record_attempt(attempt, job)
