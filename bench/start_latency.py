@@ -34,20 +34,42 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
-def time_jobs(stack, count: int, submits: list[float] | None = None, **fields) -> list[float]:
+def time_jobs(
+    stack, count: int, submits: list[float] | None = None, stages: list[dict] | None = None, **fields
+) -> list[float]:
     from jobs.models import LogLine, Stream
 
     timings = []
     for _ in range(count):
-        started = time.perf_counter()
+        started, sent_at = time.perf_counter(), time.time()
         job = stack.submit(["echo", "hello"], name="latency", **fields)
         if submits is not None:
             submits.append((time.perf_counter() - started) * 1000)
         while not LogLine.objects.filter(job_id=job["id"], stream=Stream.STDOUT).exists():
             time.sleep(0.002)
         timings.append((time.perf_counter() - started) * 1000)
+        seen_at = time.time()
         stack.wait_for(job["id"], ("succeeded", "failed"))
+        if stages is not None:
+            stages.append(stages_of(job["id"], sent_at, seen_at))
     return timings
+
+
+def stages_of(job_id: int, sent_at: float, seen_at: float) -> dict[str, float]:
+    """Where one start's time went, from the rows' own timestamps (ms): the request until the
+    job's row was made, -> placed (the pass) -> taken (the agent's begin) -> running (preflight,
+    the spawn) -> its line read from the pipe -> that line seen stored (by this bench's poll)."""
+    from datetime import UTC, datetime
+
+    from jobs.models import Attempt, Job, LogLine, Stream
+
+    created = Job.objects.get(pk=job_id).created_at
+    attempt = Attempt.objects.filter(job_id=job_id).order_by("number").first()
+    line = LogLine.objects.filter(job_id=job_id, stream=Stream.STDOUT).order_by("seq").first()
+    sent, seen = datetime.fromtimestamp(sent_at, UTC), datetime.fromtimestamp(seen_at, UTC)
+    marks = [sent, created, attempt.scheduled_at, attempt.started_at, attempt.running_at, line.ts, seen]
+    names = ("created", "placed", "taken", "preflight", "first_line", "stored")
+    return {name: (b - a).total_seconds() * 1000 for name, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
 
 
 def time_celery(queue: str, count: int) -> list[float]:
@@ -89,13 +111,16 @@ def main() -> None:
         time_jobs(stack, 2)  # warm up: imports, connections
         time_celery(queue, 2)
         submits: list[float] = []
-        jobs = time_jobs(stack, count, submits)
+        stages: list[dict] = []
+        jobs = time_jobs(stack, count, submits, stages)
         celery = time_celery(queue, count)
 
     p50, p95 = percentile(jobs, 50), percentile(jobs, 95)
     c50, c95 = percentile(celery, 50), percentile(celery, 95)
     print(f"submit -> first log line stored, {count} jobs: mean {statistics.mean(jobs):.1f} ms")
     print(f"of which the submit request itself: p50 {percentile(submits, 50):.1f} ms")
+    split = ", ".join(f"{name} {percentile([s[name] for s in stages], 50):.1f}" for name in stages[0])
+    print(f"from the rows' timestamps, p50 ms: {split}")
     print(f"bare Celery round trip, {count} tasks: mean {statistics.mean(celery):.1f} ms")
     print(
         f"mode={mode} jobs={count} p50_ms={p50:.1f} p95_ms={p95:.1f} "
