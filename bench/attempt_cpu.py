@@ -14,10 +14,11 @@ On an embedded default (SQLite in a temporary directory, the local MLflow store)
 PostgreSQL when DATABASE_URL is set (a fresh database, dropped after). Simulated GPUs,
 jobs unsandboxed (the sandbox's own cost is bench/start_latency.py --sandbox both's).
 
-    python bench/attempt_cpu.py [--quick] [--jobs N] [--profile]
+    python bench/attempt_cpu.py [--quick] [--jobs N] [--profile] [--sql]
 
 --profile prints where the attempt's CPU goes (cProfile, every thread; it slows what it
-measures about twofold). Last line: mode=... attempts=... attempt_cpu_ms=... submit_cpu_ms=...
+measures about twofold); --sql lists the statements of one attempt, with the thread that
+sent each. Last line: mode=... attempts=... attempt_cpu_ms=... submit_cpu_ms=...
 """
 
 import argparse
@@ -217,10 +218,7 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
         for other in PROFILES:
             stats.add(other)
         stats.sort_stats("cumulative").print_stats(r"/(agent|jobs|fleet|portal)/|mlflow/tracking/client", 40)
-        if os.environ.get("BENCH_DUMP"):
-            stats.dump_stats(os.environ["BENCH_DUMP"])
-        if os.environ.get("BENCH_TOTTIME"):
-            stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)  # the functions that spend it themselves
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     print(f"{count} echo attempts, {wall / count * 1000:.1f} ms each of wall time, everything included")
     for name in cpu:
