@@ -13,7 +13,7 @@ import warnings
 from celery import Celery
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
-from kombu.utils.json import dumps
+from kombu.utils.json import dumps, loads
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
@@ -36,6 +36,48 @@ class AtomicFilesystemChannel(filesystem.Channel):
             os.replace(final + ".partial", final)
         except OSError as exc:
             raise ChannelError(f"cannot add {final!r} to the broker folder") from exc
+
+    def _queue_bind(self, exchange, routing_key, pattern, queue):
+        """kombu's creates an exchange's table file, then locks it: a process starting at the
+        same moment can lock it in between, read it empty and die ("Unrecoverable error:
+        JSONDecodeError" in `_queue_bind`, seen when `manage.py up` started its workers).
+        Here every binder opens the file (made if missing), locks it, then reads it; an
+        empty table is a new one."""
+        file = self._exchange_file(exchange)
+        self.control_folder.mkdir(exist_ok=True)
+        entry = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        try:
+            with file.open("a+b", buffering=0) as table:
+                filesystem.lock(table, filesystem.LOCK_EX)
+                try:
+                    table.seek(0)
+                    queues = self._entries(table.read())
+                    if entry not in queues:
+                        table.truncate(0)  # appended to after this: the table is written from 0
+                        table.write(dumps([entry, *queues]).encode())
+                finally:
+                    filesystem.unlock(table)
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}") from exc
+
+    def get_table(self, exchange):
+        """A table being made by `_queue_bind` (empty until it is written) has no queues yet."""
+        file = self._exchange_file(exchange)
+        try:
+            with file.open("rb") as table:
+                filesystem.lock(table, filesystem.LOCK_SH)
+                try:
+                    return self._entries(table.read())
+                finally:
+                    filesystem.unlock(table)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}") from exc
+
+    @staticmethod
+    def _entries(content: bytes) -> list:
+        return [filesystem.exchange_queue_t(*q) for q in loads(content.decode())] if content else []
 
 
 class AtomicFilesystemTransport(filesystem.Transport):
