@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection, transaction
-from django.db.models import OuterRef, Subquery
+from django.db.models import Max
 
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine
 
@@ -58,14 +58,11 @@ def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True,
         fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
         if current_only:
             fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
-        # The attempt's last seq in the same statement (read under the lock, as before).
-        stored = LogLine.objects.filter(job_id=OuterRef("job_id"), attempt_id=attempt_id).order_by("-seq")
-        found = fenced.values_list("job_id", Subquery(stored.values("seq")[:1])).first()
-        if found is None:
+        if not (job_id := fenced.values_list("job_id", flat=True).first()):
             raise AttemptNotCurrent(attempt_id)
         if not fresh:
             rows = unstored(attempt_id, rows)
-        last = found[1] or 0
+        last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
         for offset, row in enumerate(rows, start=1):
             row.seq = last + offset
         if rows:
