@@ -38,7 +38,7 @@ from agent.running import lock as _running_lock
 from fleet.models import HealthEvent, Node
 from fleet.preflight import Result
 from fleet.preflight import record as record_checks
-from jobs import pipelines, secret_env, tracking
+from jobs import jobspec, pipelines, secret_env, tracking
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Launcher, Stream, lease_from
 from portal.models import volume_env_name
 
@@ -355,6 +355,10 @@ class Runner:
             **pipelines.stage_env(job),  # HANGAR_PIPELINE_DIR of a pipeline's stage
             **rank_env(attempt, self.rank, self.master_addr()),
         )
+        # The submit refuses them; a job stored before it did must not hand them to root either.
+        if unsafe := sorted(jobspec.ROOT_UNSAFE & env.keys()):
+            self.system(f"not given to the job: {', '.join(unsafe)} ({jobspec.ROOT_UNSAFE_REASON})", error=True)
+            env = {k: v for k, v in env.items() if k not in jobspec.ROOT_UNSAFE}
         return env
 
     def master_addr(self) -> str:

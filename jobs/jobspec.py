@@ -20,6 +20,20 @@ RESERVED_NAMES = {
     "LD_LIBRARY_PATH": "would change the libraries of every program started for the job, the agent's included; "
     "use an environment (its path) or set it inside your command",
 }
+# What glibc ignores in set-uid programs (its unsecvars.h), less TMPDIR: read by every program
+# the agent starts as root for a job before it takes the job's uid (prlimit, setpriv, env,
+# bwrap get the job's environment), they would load a library into it (LD_AUDIT, GCONV_PATH),
+# retune its allocator (GLIBC_TUNABLES), or write a file it names (MALLOC_TRACE, LD_DEBUG_OUTPUT).
+ROOT_UNSAFE = {
+    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LD_AUDIT", "LD_DEBUG", "LD_DEBUG_OUTPUT",
+    "LD_DYNAMIC_WEAK", "LD_HWCAP_MASK", "LD_LIBRARY_PATH", "LD_ORIGIN_PATH", "LD_PRELOAD", "LD_PROFILE",
+    "LD_SHOW_AUXV", "LD_USE_LOAD_BIAS", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH",
+    "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR",
+}  # fmt: skip
+ROOT_UNSAFE_REASON = (
+    "is read by the programs the agent starts as root before the job's own uid (glibc honours it outside "
+    "set-uid programs); set it inside your command"
+)
 RESERVED_PREFIXES = {
     "HANGAR_": "is set by Hangar for each attempt (names starting with HANGAR_ are Hangar's)",
     "MLFLOW_": "is set by Hangar for each attempt: a job logs to its own MLflow run (names starting with MLFLOW_ "
@@ -35,6 +49,8 @@ def reserved_reason(name: str, container: bool = False) -> str | None:
     """Why `name` may not be set by a job (None: it may)."""
     if name in RESERVED_NAMES:
         return RESERVED_NAMES[name]
+    if name in ROOT_UNSAFE:
+        return ROOT_UNSAFE_REASON
     for prefix, why in RESERVED_PREFIXES.items():
         if name.startswith(prefix):
             return why

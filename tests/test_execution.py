@@ -226,3 +226,24 @@ def test_the_job_is_spawned_without_forking_the_agent(transactional_db, project,
     assert Path(kwargs["args"][0]).name in ("prlimit", "setpriv")
     texts = list(LogLine.objects.filter(attempt=attempt).values_list("text", flat=True))
     assert str(2048 * 1024) in texts  # RLIMIT_AS in KiB, as the job saw it
+
+
+def test_a_stored_job_never_hands_the_loaders_variables_to_what_the_agent_runs_as_root(
+    transactional_db, project, owner, tmp_path
+):
+    """The submit refuses them (jobs/jobspec.ROOT_UNSAFE); a job stored before it did still runs,
+    without them: LD_DEBUG_OUTPUT would have every program of its start, root's included, write
+    the file it names."""
+    make_node("node-a", gpus=1)
+    trace = tmp_path / "trace"
+    env = {"LD_DEBUG": "libs", "LD_DEBUG_OUTPUT": str(trace), "SEED": "7"}
+    job = make_job(project, owner, command=["sh", "-c", 'echo "seed=$SEED debug=${LD_DEBUG:-none}"'], env=env)
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    texts = list(LogLine.objects.filter(attempt=attempt).values_list("text", flat=True))
+    assert "seed=7 debug=none" in texts
+    assert any(t.startswith("[hangar] not given to the job: LD_DEBUG, LD_DEBUG_OUTPUT") for t in texts)
+    assert list(tmp_path.glob("trace*")) == []  # nothing wrote the file it named

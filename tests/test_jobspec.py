@@ -46,6 +46,9 @@ def messages(response) -> dict[str, str]:
         ("NVIDIA_VISIBLE_DEVICES", False, "GPUs a container sees"),
         ("LD_PRELOAD", False, "load a library"),
         ("LD_LIBRARY_PATH", False, "libraries"),
+        ("LD_AUDIT", False, "as root before the job's own uid"),
+        ("GCONV_PATH", False, "as root before the job's own uid"),
+        ("GLIBC_TUNABLES", False, "as root before the job's own uid"),
         ("DOCKER_HOST", False, "docker engine"),
         ("PATH", True, "container job"),
     ],
@@ -60,7 +63,9 @@ def test_ordinary_names_of_a_host_job_are_free(name):
 
 
 @pytest.mark.parametrize("field", ["env", "secret_env"])
-@pytest.mark.parametrize("name", ["MLFLOW_RUN_ID", "LD_PRELOAD", "DOCKER_HOST", "NVIDIA_VISIBLE_DEVICES"])
+@pytest.mark.parametrize(
+    "name", ["MLFLOW_RUN_ID", "LD_PRELOAD", "LD_AUDIT", "MALLOC_TRACE", "DOCKER_HOST", "NVIDIA_VISIBLE_DEVICES"]
+)
 def test_the_api_refuses_a_reserved_name_naming_it(roles, gpus, field, name):
     errors = messages(submit(api_client(roles["member"]), **{field: {name: "x"}}))
 
