@@ -62,7 +62,7 @@ class LiveStack:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="hangar-stack-"))
         self.port = free_port()
         self.password = secrets.token_urlsafe(12)
-        self.clients = threading.local()  # api(): one kept-alive HTTP client per thread
+        self.clients: dict[int, httpx.Client] = {}  # api(): one kept-alive HTTP client per thread
         self.env = {
             **stack_env(),
             "HANGAR_DATA_DIR": str(self.data_dir),
@@ -203,6 +203,9 @@ class LiveStack:
         return self.log_path.read_text(errors="replace")[-20000:] if self.log_path.exists() else ""
 
     def stop(self) -> None:
+        for client in list(self.clients.values()):
+            client.close()
+        self.clients.clear()
         for proc in [*self.agents.values(), self.proc]:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGINT if proc is self.proc else signal.SIGTERM)
@@ -228,9 +231,10 @@ class LiveStack:
     def api(self, method: str, path: str, **kwargs) -> httpx.Response:
         """A request on this thread's kept-alive client: a client made per request (httpx.request)
         loads its TLS trust store each time, ~30 ms of CPU that latency figures would count."""
-        if getattr(self.clients, "http", None) is None:
-            self.clients.http = httpx.Client(timeout=30)
-        return self.clients.http.request(method, self.url + path, headers=self.headers(), **kwargs)
+        client = self.clients.get(threading.get_ident())
+        if client is None:
+            client = self.clients[threading.get_ident()] = httpx.Client(timeout=30)
+        return client.request(method, self.url + path, headers=self.headers(), **kwargs)
 
     def submit(self, command: list[str], **fields) -> dict:
         response = self.api("POST", "/api/v1/jobs/", json={"project": "default", "command": command, **fields})

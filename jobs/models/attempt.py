@@ -93,9 +93,7 @@ class Attempt(models.Model):
     @property
     def ranks(self) -> list[dict]:
         """Every rank's node and GPUs (a one-node attempt of old has no placement stored)."""
-        if self.placement:
-            return self.placement
-        return [{"rank": 0, "node_id": self.node_id, "node": None, "gpus": self.gpu_indices}]
+        return ranks_of(self.placement, self.node_id, self.gpu_indices)
 
     def preflight_seconds(self) -> float | None:
         if self.started_at is None:
@@ -250,6 +248,11 @@ class Attempt(models.Model):
         partial = cls.objects.filter(pk__in=[pk for pk, status, ranks in rows if len(status) < len(ranks)])
         missing = f"a rank was not started by its node's agent within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
         return ended + [a for a in partial if a.finish(AttemptState.LOST, FailureClass.INFRA, missing)]
+
+
+def ranks_of(placement: list[dict], node_id: int, gpu_indices: list[int]) -> list[dict]:
+    """An attempt's ranks from its stored columns: its placement, or rank 0 alone."""
+    return placement or [{"rank": 0, "node_id": node_id, "node": None, "gpus": gpu_indices}]
 
 
 def requeue_for(failure_class: str, counts: dict) -> tuple[str, dict] | None:

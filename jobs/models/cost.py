@@ -7,7 +7,7 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 from jobs.costs import WASTED_LABELS, BudgetStatus, Rate, attempt_cost
-from jobs.models.attempt import Attempt
+from jobs.models.attempt import Attempt, ranks_of
 from jobs.models.job import Job
 from jobs.signals import attempt_finished
 from portal.models import Project
@@ -128,13 +128,13 @@ class JobCost(models.Model):
     def record_attempt(cls, attempt: Attempt, job) -> None:
         """Add a finished attempt to its job's cost and the day's roll-up (inside the finishing
         transaction). `job`: the JobMoved its end made; the attempt's own state is in memory."""
-        started_at, running_at, placement, gpu_indices, gpu_type = (
+        started_at, running_at, placement, node_id, gpu_indices, gpu_type = (
             Attempt.objects.filter(pk=attempt.pk)
-            .values_list("started_at", "running_at", "placement", "gpu_indices", "node__gpu_model")
+            .values_list("started_at", "running_at", "placement", "node_id", "gpu_indices", "node__gpu_model")
             .get()
         )
         c = attempt_cost(
-            gpus_of(placement or [{"gpus": gpu_indices}], job.gpus),
+            gpus_of(ranks_of(placement, node_id, gpu_indices), job.gpus),
             started_at,
             running_at,
             attempt.finished_at,
@@ -172,10 +172,10 @@ def add_to_row(
 ) -> None:
     """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
     none: one UPDATE where the row exists, as it does for all but a job's or a day's first
-    attempt; one INSERT when the caller knows there is none yet (`new`, with no race). Two
-    writers creating the same row at once (`racing`): the one that loses adds to the other's."""
+    attempt; the INSERT first when the caller knows there is none yet (`new`). Two writers
+    creating the same row at once (`racing`): the one that loses adds to the other's."""
     increments = {field: models.F(field) + value for field, value in added.items()}
-    if not (new and not racing) and model.objects.filter(**key).update(**increments, **(also_set or {})):
+    if not new and model.objects.filter(**key).update(**increments, **(also_set or {})):
         return
     if not racing:
         model.objects.create(**key, **create_with, **added)
