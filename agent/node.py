@@ -103,14 +103,15 @@ class Agent:
             attempt.finish(AttemptState.LOST, FailureClass.INFRA, "the node's agent restarted while it ran")
 
     def replay_log_spools(self) -> None:
-        """Log lines a previous agent on this node spooled to disk and died before sending."""
+        """Log lines spooled to disk and never sent: by a previous agent that died, or by a writer
+        whose rank ended while the database was still unreachable."""
         try:
             sent = replay_spools(self.node.pk)
         except Exception:  # lines left on disk never keep the agent from starting
             log.exception("node %s: log spool files not replayed", self.name)
             return
         if sent:
-            log.info("node %s: sent %d log spool files left by the previous agent", self.name, sent)
+            log.info("node %s: sent %d log spool files left unsent", self.name, sent)
 
     def report(self) -> None:
         """One heartbeat: apply injected faults, sample the GPUs, store telemetry, act on findings."""
@@ -199,6 +200,7 @@ class Agent:
         while not stop.wait(self.heartbeat_seconds):
             try:
                 self.report()
+                self.replay_log_spools()  # lines a writer gave up on while the database was away
             except DatabaseError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 close_old_connections()

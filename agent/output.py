@@ -240,6 +240,8 @@ class LogWriter(threading.Thread):
                     return
 
     def run(self) -> None:
+        with _live_lock:
+            LIVE_SPOOLS.add(self.spool.path)  # its storer's from now on, not the heartbeat's replay
         storer = threading.Thread(target=self.store_forever, daemon=True, name=f"{self.name}-store")
         storer.start()
         try:
@@ -272,6 +274,8 @@ class LogWriter(threading.Thread):
                 self.note_late_lines()
             log.info("attempt %s rank %s: %d lines, %d batches", self.attempt.pk, self.rank, self.stored, self.batches)
         finally:
+            with _live_lock:
+                LIVE_SPOOLS.discard(self.spool.path)  # lines it could not send: the heartbeat retries them
             connection.close()
             if self.loop is not None:
                 self.loop.close()  # channels_redis closes this loop's connections
@@ -465,22 +469,31 @@ class LogWriter(threading.Thread):
             log.debug("log hint not sent: %s", exc)
 
 
+# The spool files of this process's live writers (their storers send them); guarded by _live_lock.
+LIVE_SPOOLS: set[Path] = set()
+_live_lock = threading.Lock()
+
+
 def spool_dir(node_id: int | None) -> Path:
     """One folder per node: agents of several nodes on one machine replay only their own spools."""
     return settings.HANGAR_LOG_SPOOL_DIR / f"node-{node_id or 0}"
 
 
 def replay_spools(node_id: int) -> int:
-    """Store the spooled lines a dead agent of this node left on disk; the number of files sent.
+    """Store the spooled lines left on disk for this node, the number of files sent: a dead
+    agent's (at the agent's start), or a writer's that gave up on them, its database still
+    unreachable when its rank ended (at every heartbeat). A live writer's own are skipped.
 
-    Called when the node's agent starts, before it runs anything, so no writer
-    of this node still appends to them. An ended attempt's lines are still what
-    it printed, so they are stored; lines of an attempt that no longer exists
-    are dropped. A file that cannot be sent now stays for the next start, and
-    sending it again stores nothing twice.
+    An ended attempt's lines are still what it printed, so they are stored; lines of an
+    attempt that no longer exists are dropped. A file that cannot be sent now stays for the
+    next try, and sending it again stores nothing twice.
     """
     sent = 0
+    with _live_lock:
+        live = set(LIVE_SPOOLS)
     for path in sorted(spool_dir(node_id).glob("attempt-*-rank-*.jsonl")):
+        if path in live:
+            continue
         spool = Spool(path)
         try:
             for rows, _ in spool.chunks():

@@ -296,6 +296,40 @@ def test_lines_spooled_by_an_agent_that_died_are_stored_when_its_node_agent_star
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_spool_its_writer_gave_up_on_is_sent_by_the_next_heartbeat_and_a_live_writers_never(
+    attempt, monkeypatch, settings
+):
+    """A rank that ended while the database was still away leaves its lines on disk; before,
+    only the agent's next start sent them. A live writer's spool is its own storer's."""
+    from agent.node import Agent
+    from fleet.gpus import SimulatedProvider
+
+    agent = Agent(attempt.node.name, SimulatedProvider(attempt.node.name, "H100", 4), 0.05)
+    agent.register()
+    Attempt.objects.filter(pk=attempt.pk).update(state="running")
+    given_up = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(30)], monkeypatch, settings)
+    other = make_attempt(make_job(attempt.job.project, attempt.job.submitted_by), attempt.node, "running")
+    live = LogWriter(other, queue.Queue(), rank=0)
+    live.spool.append(new_lines(other, ["its own"]))
+    logingest.LIVE_SPOOLS.add(live.spool.path)  # as its run() does
+    try:
+        stop = threading.Event()
+        beating = threading.Thread(target=agent.heartbeat_forever, args=(stop,))
+        beating.start()
+        deadline = time.monotonic() + 10
+        while given_up.spool.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        beating.join()
+    finally:
+        logingest.LIVE_SPOOLS.discard(live.spool.path)
+
+    assert [line.text for line in stored(attempt)] == [f"line {i}" for i in range(30)]
+    assert not given_up.spool.path.exists()
+    assert live.spool.path.exists() and not stored(other)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_replaying_a_spool_already_partly_stored_stores_nothing_twice(attempt, monkeypatch, settings):
     writer = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(50)], monkeypatch, settings)
     logingest.store_lines(attempt.pk, new_lines(attempt, [f"line {i}" for i in range(20)]))
