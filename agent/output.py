@@ -39,6 +39,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
+from agent import connections
 from agent.watch import observe_output
 from jobs import logmetrics, tracking
 from jobs.logparse import SeverityReader, decode_line, is_fault
@@ -259,6 +260,8 @@ class LogWriter(threading.Thread):
         """The storer: deliver each parsed batch in order, retrying spooled lines when idle."""
         try:
             while True:
+                if self.parsed.empty():  # about to wait for the job's next lines
+                    connections.hand_back()
                 try:
                     rows = self.parsed.get(timeout=self.spool_wait() if self.spool else None)
                 except queue.Empty:  # nothing new while lines wait on disk: time to retry them

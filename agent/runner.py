@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import envcache, environments, network, running, sandbox, snapshots, watch
+from agent import connections, envcache, environments, network, running, sandbox, snapshots, watch
 from agent import ray as raycluster
 from agent.output import LogWriter
 from agent.preflight import rendezvous_reachable, run_preflight, run_rendezvous
@@ -320,6 +320,7 @@ class Runner:
             if now >= next_check:
                 next_check = now + CHECK_SECONDS
                 self.poll_attempt(renew=False)  # keep_lease renews it
+                connections.hand_back()
             if self.stop_requested is not None or not self.current:
                 return False
 
@@ -452,6 +453,7 @@ class Runner:
                     self.current = False
             if self.stop_requested is not None or not self.current:
                 return self.terminate()
+            connections.hand_back()
             wait_for_exit(self.proc, WATCH_SECONDS)
         code = self.proc.returncode
         return self.exited(code if self.launch is None else self.launch.returncode(code))
@@ -670,6 +672,7 @@ class Runner:
         try:
             while not stop.wait(renew_every()):
                 self.poll_attempt(renew=True)
+                connections.hand_back()
         finally:
             connection.close()
 
