@@ -392,7 +392,8 @@ def test_rank_zero_unreachable_makes_its_node_the_suspect_then_cordoned_and_the_
             if fleet.node("gpu-a")["state"] == "cordoned":
                 break
             time.sleep(0.5)
-        current = fleet.stack.job(job["id"])
+        # The failing rank cordons gpu-a in its preflight, then ends its attempt: the job is requeued after.
+        current = fleet.stack.wait_for(job["id"], ("queued",), timeout=60)
         failed = [a for a in current["attempts"] if a["state"] == "failed"]
         # Cordoned once two attempts pointed at gpu-a (an earlier test's may have been one of them).
         assert failed, current["attempts"]
@@ -403,7 +404,6 @@ def test_rank_zero_unreachable_makes_its_node_the_suspect_then_cordoned_and_the_
             assert attempt["failure_class"] == "infra"
         assert fleet.node("gpu-a")["state"] == "cordoned"
         assert fleet.node("gpu-b")["state"] == "ready"  # the reporting rank's node stays in service
-        assert current["state"] == "queued"
         queue = fleet.stack.api("GET", "/api/v1/queue/").json()
         row = next(r for r in queue["waiting"] if r["id"] == job["id"])
         assert row["reason"]["code"] == "no_ready_node" and "gpu-a cordoned" in row["reason"]["message"], row
