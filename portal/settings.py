@@ -604,6 +604,10 @@ HANGAR_BURN_IN_PYTHON = env_str("HANGAR_BURN_IN_PYTHON")
 MLFLOW_TRACKING_URI = env_str("MLFLOW_TRACKING_URI", f"sqlite:///{(DATA_DIR / 'mlflow.db').as_posix()}")
 HANGAR_MLFLOW = env_bool("HANGAR_MLFLOW", True)
 HANGAR_MLFLOW_UI_URL = env_str("HANGAR_MLFLOW_UI_URL").rstrip("/")
+# MLflow's client reports usage to its makers' servers from a thread `import mlflow` starts
+# (mlflow/telemetry). Hangar is self-hosted and its processes say nothing outside; an operator
+# who wants it sets MLFLOW_DISABLE_TELEMETRY=false. (Jobs do not inherit this environment.)
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 LOGGING = {
     "version": 1,

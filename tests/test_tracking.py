@@ -1,5 +1,9 @@
 """MLflow runs per job, the metrics endpoint, the reproduce record, run again and compare."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from django.test import Client
 from django.utils import timezone
@@ -8,6 +12,7 @@ from agent.runner import Runner
 from jobs import reproduce, tracking
 from jobs.models import Environment, Job, JobCost
 from tests.factories import api_client, make_attempt, make_job, make_node
+from tests.livestack import BASE_DIR
 
 
 @pytest.fixture
@@ -173,3 +178,21 @@ def test_the_metrics_chart_has_a_titled_panel_per_metric_a_legend_and_a_log_togg
     buttons = layout["updatemenus"][0]["buttons"]
     assert [b["label"] for b in buttons] == ["linear", "log"]
     assert buttons[1]["args"][0] == {"yaxis.type": "log", "yaxis2.type": "log"}
+
+
+def test_a_hangar_process_outside_ci_starts_no_mlflow_telemetry(tmp_path):
+    # MLflow's import starts a client that reports usage to its makers' servers, unless it thinks it
+    # runs in CI or under pytest: so a child with those markers removed, as on an operator's host.
+    markers = {"CI", "PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"}
+    env = {k: v for k, v in os.environ.items() if k not in markers}
+    env.update(HANGAR_DATA_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="portal.settings")
+    script = (
+        "import django; django.setup()\n"
+        "from jobs import tracking\n"
+        "import mlflow\n"
+        "from mlflow.telemetry.client import get_telemetry_client\n"
+        "print(get_telemetry_client() is None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=BASE_DIR, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
