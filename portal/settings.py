@@ -417,7 +417,9 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "control_folder": str(BROKER_DIR / "control"),
         "processed_folder": str(BROKER_DIR / "processed"),
         "store_processed": False,
-        "polling_interval": env_float("HANGAR_BROKER_POLL_SECONDS", 0.05, minimum=0.005),
+        # A start is two hops (the wake-up to the scheduler, the attempt to the agent), each waiting
+        # half a poll on average: 20 ms keeps an idle start under 100 ms for ~1.5 % more of a core idle.
+        "polling_interval": env_float("HANGAR_BROKER_POLL_SECONDS", 0.02, minimum=0.005),
     }
 (DATA_DIR / "celery-results").mkdir(exist_ok=True)
 CELERY_RESULT_BACKEND = env_str(
