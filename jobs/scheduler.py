@@ -149,10 +149,10 @@ def queue_order():
 def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
     rows = queue_order().values(
         "pk", "project_id", "submitted_by_id", "priority", "gpus_per_node", "nodes", "gpu_type",
-        "environment__name", "max_runtime_seconds", "requirements_key",
+        "environment__name", "max_runtime_seconds", "requirements_key", "retries", "requeues", "preemptions",
     )[:limit]  # fmt: skip
     out, classes = [], priority_classes()
-    avoid = suspected_nodes([r["pk"] for r in rows])
+    avoid = suspected_nodes([r["pk"] for r in rows if ran_before(r)])
     for r in rows:
         cls = classes.get(r["priority"]) or priority_class(r["priority"])
         env = r["environment__name"] or ""
@@ -172,11 +172,20 @@ def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
     return out
 
 
+def ran_before(counts: dict) -> bool:
+    """Whether a queued job had an attempt: the only way back to the queue after one is a requeue
+    (Attempt._move_job_on), which counts a retry, a requeue or a preemption. A job fresh from
+    its submit (most of a queue) has no suspicion to read."""
+    return bool(counts["retries"] or counts["requeues"] or counts["preemptions"])
+
+
 def suspected_nodes(job_ids: list[int]) -> dict[int, frozenset[int]]:
     """Nodes each job avoids: where its own output reported a fault that did not cordon the node
     (a suspicion). A job whose output names a fault must not walk the fleet node after node."""
     from fleet.models import HealthEvent
 
+    if not job_ids:
+        return {}
     rows = HealthEvent.objects.filter(attempt__job_id__in=job_ids, source="output").values_list(
         "attempt__job_id", "node_id"
     )

@@ -4,6 +4,8 @@ driver, or jobs of several users corroborate it (fleet/health.py weigh_suspicion
 import sys
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from agent import runner as execution
@@ -173,6 +175,24 @@ def test_a_requeued_job_avoids_the_node_its_output_accused(project, owner, trans
     (placed,) = scheduler.schedule_pass()
 
     assert placed.node_id == b.pk
+
+
+def test_a_pass_reads_suspicions_only_for_queued_jobs_that_ran_before(project, owner, transactional_db):
+    a = make_node("node-a", gpus=1)
+    fresh = [make_job(project, owner) for _ in range(3)]
+    assert not any(scheduler.ran_before(j.__dict__) for j in fresh)
+    with CaptureQueriesContext(connection) as fresh_pass:
+        scheduler.queued_jobs()
+    # A fresh queue (most of one: jobs from their submit) cannot have a suspicion: no read of them.
+    assert not any("healthevent" in q["sql"] for q in fresh_pass.captured_queries)
+
+    job = fresh[0]
+    attempt = make_attempt(job, a, AttemptState.RUNNING)
+    HealthEvent.objects.create(node=a, attempt=attempt, kind="xid", xid=79, severity="critical", message="x",
+                               source="output", action="suspected, job stopped")  # fmt: skip
+    attempt.finish(AttemptState.FAILED, FailureClass.INFRA, "health: Xid 79 in the job's output")
+    requeued = next(q for q in scheduler.queued_jobs() if q.job_id == job.pk)
+    assert requeued.avoid == frozenset({a.pk})
 
 
 def test_a_jobs_own_exit_after_printing_a_fake_xid_is_its_own_failure(transactional_db, project, owner):
