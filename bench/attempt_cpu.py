@@ -8,7 +8,9 @@ runs the pieces of one job in one process, in turn, and counts the CPU each take
 - pass: a scheduling pass that places 8 jobs, per job placed;
 - attempt: the agent's side of an `echo` attempt, `agent.runner.run_attempt` from begin
   through preflight, spawn, output and the recorded outcome (with its cost, MLflow run
-  and the receivers of its end), counted over all the threads it uses.
+  and the receivers of its end), counted over all the threads it uses;
+- close: what the notifier does after it (`hangar.close_run`: the job's state, cost and
+  final status on its MLflow run).
 
 On an embedded default (SQLite in a temporary directory, the local MLflow store), or on
 PostgreSQL when DATABASE_URL is set (a fresh database, dropped after). Simulated GPUs,
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tests.livestack import UNSANDBOXED  # noqa: E402
 
 ROUND = 8  # jobs placed per pass: one simulated 8-GPU node
+STEPS = ("submit", "pass", "attempt", "close")
 PROFILES: list[cProfile.Profile] = []
 
 
@@ -113,6 +116,7 @@ def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, lis
     from jobs.api.serializers import JobSubmitSerializer
     from jobs.scheduler import schedule_pass
     from jobs.submission import submit_job
+    from jobs.tasks import close_run
 
     spec = {"project": "bench", "name": "echo", "command": ["echo", "hello"], "gpus_per_node": 1}
     marks = [(time.process_time(), queries.count if queries else 0)]
@@ -131,8 +135,11 @@ def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, lis
     for attempt in placed:
         runner.run_attempt(attempt.pk, 0)
     mark()
+    for attempt in placed:  # the notifier's task for each (sent by the attempt's end)
+        close_run(attempt.job_id)
+    mark()
     steps = {}
-    for name, (before, after) in zip(("submit", "pass", "attempt"), zip(marks, marks[1:], strict=False), strict=True):
+    for name, (before, after) in zip(STEPS, zip(marks, marks[1:], strict=False), strict=True):
         steps[name] = [after[0] - before[0], after[1] - before[1]]
     steps["placed"] = [len(placed), 0]
     return steps
@@ -202,7 +209,7 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
     if profile:
         profile_every_thread()
         main_thread.enable()
-    totals = {name: [0.0, 0] for name in ("submit", "pass", "attempt", "placed")}
+    totals = {name: [0.0, 0] for name in (*STEPS, "placed")}
     wall = time.perf_counter()
     while totals["placed"][0] < jobs:
         for name, (cpu, statements) in one_round(owner, node, queries).items():
@@ -211,8 +218,8 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
     wall = time.perf_counter() - wall
     main_thread.disable()
     count = int(totals["placed"][0])
-    cpu = {name: totals[name][0] / count * 1000 for name in ("submit", "pass", "attempt")}
-    sql = {name: totals[name][1] / count for name in ("submit", "pass", "attempt")}
+    cpu = {name: totals[name][0] / count * 1000 for name in STEPS}
+    sql = {name: totals[name][1] / count for name in STEPS}
     if profile:
         stats = pstats.Stats(main_thread)
         for other in PROFILES:
@@ -226,6 +233,7 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
     print(
         f"mode={mode} attempts={count} attempt_cpu_ms={cpu['attempt']:.1f} attempt_sql={sql['attempt']:.1f} "
         f"submit_cpu_ms={cpu['submit']:.1f} submit_sql={sql['submit']:.1f} pass_cpu_ms={cpu['pass']:.1f} "
+        f"close_cpu_ms={cpu['close']:.1f} "
         f"job_cpu_ms={sum(cpu.values()):.1f} job_sql={sum(sql.values()):.1f}"
     )
 

@@ -64,7 +64,7 @@ def processes() -> dict[int, tuple[int, str]]:
 
 
 def roles(stack, services: bool) -> dict[str, list[int]]:
-    """The stack's processes by role: web, scheduler, agents (database: PostgreSQL's backends, by name)."""
+    """The stack's processes by role: web, scheduler, notifier, agents (database: PostgreSQL's backends, by name)."""
     table = processes()
     children = defaultdict(list)
     for pid, (ppid, _) in table.items():
@@ -72,7 +72,8 @@ def roles(stack, services: bool) -> dict[str, list[int]]:
     found = defaultdict(list)
     for pid in children[stack.proc.pid]:
         cmd = table[pid][1]
-        found["web" if "portal.webserver" in cmd else "scheduler" if "scheduler" in cmd else "other"].append(pid)
+        role = "web" if "portal.webserver" in cmd else "scheduler" if "scheduler" in cmd else "other"
+        found["notifier" if "notifier" in cmd else role].append(pid)  # it updates the jobs' MLflow runs
     found["agents"] = [proc.pid for proc in stack.agents.values()]
     if services:  # PostgreSQL's backends (any on this machine: run the bench on a quiet one)
         found["database"] = [pid for pid, (_, cmd) in table.items() if cmd.startswith("postgres:")]

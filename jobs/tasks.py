@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from jobs import notify, scheduler
+from jobs import notify, scheduler, tracking
 
 
 @shared_task(name="hangar.schedule")
@@ -24,3 +24,9 @@ def notify_event(kind: str, object_id: int) -> int:
 def deliver(delivery_id: int) -> str:
     """One try of one delivery (webhook, Slack-compatible webhook or e-mail)."""
     return notify.deliver(delivery_id)
+
+
+@shared_task(name="hangar.close_run")
+def close_run(job_id: int) -> None:
+    """An attempt of the job ended: its state and cost on its MLflow run, closed when the job is over."""
+    tracking.attempt_finished(job_id)

@@ -1,5 +1,7 @@
 """MLflow runs per job, the metrics endpoint, the reproduce record, run again and compare."""
 
+import base64
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from django.test import Client
 from django.utils import timezone
 
 from agent.runner import Runner
-from jobs import reproduce, tracking
+from jobs import reproduce, tasks, tracking
 from jobs.models import Environment, Job, JobCost
 from tests.factories import api_client, make_attempt, make_job, make_node
 from tests.livestack import BASE_DIR
@@ -56,19 +58,72 @@ def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_s
     assert tags["hangar.command"] == '["python", "train.py"]'
 
 
-def test_the_run_gets_the_final_status_and_the_cost(mlflow_store, job, node, django_capture_on_commit_callbacks):
+def tracking_messages(settings) -> list[dict]:
+    """The run updates waiting in the embedded broker for the notifier."""
+    bodies = [json.loads(f.read_text()) for f in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg")]
+    return [{"task": b["headers"]["task"], **json.loads(base64.b64decode(b["body"]))[1]} for b in bodies]
+
+
+def test_the_run_gets_the_final_status_and_the_cost(
+    mlflow_store, settings, job, node, django_capture_on_commit_callbacks
+):
+    if not settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        pytest.skip("reads the embedded broker's message files")
     runner_env(job, node)
     job.refresh_from_db()
     tracking.client().log_metric(job.mlflow_run_id, "loss", 0.5, step=1)
     attempt = job.attempts.get()
+    before = tracking_messages(settings)
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish("failed", "user", "exited with code 1", 1)
+    # The agent only sends the update; the notifier writes it (its task, run here).
+    sent = [m for m in tracking_messages(settings) if m not in before]
+    assert sent == [{"task": "hangar.close_run", "job_id": job.pk}]
+    assert tracking.client().get_run(job.mlflow_run_id).info.status == "RUNNING"
+    tasks.close_run(**{k: v for k, v in sent[0].items() if k != "task"})
     run = tracking.client().get_run(job.mlflow_run_id)
     assert run.info.status == "FAILED"
     assert run.data.tags["hangar.cost"] == f"{JobCost.objects.get(pk=job.pk).cost:.4f}"
     found = api_client(job.submitted_by).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
     assert found["available"] and found["series"]["loss"][0][:2] == [1, 0.5]
     assert found["figure"]["data"][0]["y"] == [0.5]
+
+
+def test_an_update_written_while_the_job_moved_on_is_written_again(mlflow_store, job, node, monkeypatch):
+    # Two updates of one job in flight at once: this one read "queued", and by the time it wrote,
+    # the next attempt had ended the job. It writes again what the job now says.
+    runner_env(job, node)
+    job.refresh_from_db()
+    Job.objects.filter(pk=job.pk).update(state="queued")
+    log_batch = type(tracking.client()).log_batch
+    calls = []
+
+    def log_batch_then_the_job_ends(self, run_id, **kwargs):
+        calls.append({t.key: t.value for t in kwargs["tags"]}["hangar.state"])
+        log_batch(self, run_id, **kwargs)
+        Job.objects.filter(pk=job.pk).update(state="succeeded")
+
+    monkeypatch.setattr(type(tracking.client()), "log_batch", log_batch_then_the_job_ends)
+    tracking.attempt_finished(job.pk)
+    run = tracking.client().get_run(job.mlflow_run_id)
+    assert calls == ["queued", "succeeded"]
+    assert run.data.tags["hangar.state"] == "succeeded" and run.info.status == "FINISHED"
+
+
+def test_a_refused_message_has_the_run_updated_where_the_attempt_ended(mlflow_store, job, node, monkeypatch):
+    from kombu.exceptions import OperationalError
+
+    runner_env(job, node)
+    job.refresh_from_db()
+    Job.objects.filter(pk=job.pk).update(state="cancelled")
+
+    def broker_down(*args, **kwargs):
+        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(tracking.app, "send_task", broker_down)
+    tracking.close_in_background(job.pk)
+    run = tracking.client().get_run(job.mlflow_run_id)
+    assert run.info.status == "KILLED" and run.data.tags["hangar.state"] == "cancelled"
 
 
 def test_an_unreachable_mlflow_does_not_stop_the_job_and_the_page_says_why(settings, job, node, owner):

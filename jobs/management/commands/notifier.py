@@ -4,7 +4,7 @@ import threading
 from django.core.management.base import BaseCommand
 from django.db import DatabaseError, close_old_connections
 
-from jobs import notify
+from jobs import notify, tracking
 from portal.celery import app
 
 log = logging.getLogger("hangar.notify")
@@ -24,7 +24,7 @@ def sweep(stop: threading.Event) -> None:
 
 
 class Command(BaseCommand):
-    help = "Run the notifier: a Celery worker that fans events out and delivers webhooks and e-mail."
+    help = "Run the notifier: a Celery worker for webhooks, e-mail and the MLflow runs' updates after an attempt."
 
     def add_arguments(self, parser):
         parser.add_argument("--concurrency", type=int, default=4, help="Deliveries in flight at once.")
@@ -38,7 +38,7 @@ class Command(BaseCommand):
                 "--quiet",
                 "worker",
                 "--queues",
-                notify.QUEUE,
+                f"{notify.QUEUE},{tracking.QUEUE}",  # deliveries; MLflow runs' updates after an attempt
                 # Threads: a slow receiver holds one of them, never the others' deliveries.
                 "--pool",
                 "threads",
