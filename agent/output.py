@@ -50,6 +50,9 @@ from jobs.models import Attempt, Severity, Stream
 log = logging.getLogger("hangar.agent")
 
 MAX_BATCH = 5000
+# How long a line of Hangar's own ("attempt 1 on node ...") waits for the job's first output
+# to share its write: under a second is live to a reader, and a write is ~4 statements.
+SYSTEM_LINGER_SECONDS = 0.1
 MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
@@ -140,6 +143,11 @@ class Spool:
     def discard(self) -> None:
         self.path.unlink(missing_ok=True)
         self.offset = 0
+
+
+def is_system(item: tuple | None) -> bool:
+    """A line of Hangar's own (an end or a job's line is not)."""
+    return item is not None and item[0] == Stream.SYSTEM
 
 
 def weigh(item: tuple | None) -> tuple[int, int]:
@@ -295,14 +303,22 @@ class LogWriter(threading.Thread):
             log.error("attempt %s rank %s: log storer died, %d lines lost", self.attempt.pk, self.rank, len(rows))
 
     def collect(self) -> list:
-        """Block for one line, then take what else is waiting."""
+        """Block for one line, then take what else is waiting. Hangar's own lines wait up to
+        SYSTEM_LINGER_SECONDS for what comes next (the job's own lines are never held): a short
+        job's start line and first output are one write, not two."""
         batch = [self.lines.get()]
         count, size = weigh(batch[0])
+        linger_until = time.monotonic() + SYSTEM_LINGER_SECONDS if is_system(batch[0]) else None
         while batch[-1] is not None and count < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
-                item = self.lines.get_nowait()
+                if linger_until is None:
+                    item = self.lines.get_nowait()
+                else:
+                    item = self.lines.get(timeout=max(0.0, linger_until - time.monotonic()))
             except queue.Empty:
                 break
+            if not is_system(item):
+                linger_until = None  # the job's own line: it and what is waiting go now
             batch.append(item)
             lines, length = weigh(item)
             count, size = count + lines, size + length

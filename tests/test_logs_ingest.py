@@ -108,6 +108,34 @@ def test_it_stores_lines_numbered_from_one_with_their_parsed_fields(attempt):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_hangars_own_line_waits_briefly_for_the_jobs_first_output_and_the_jobs_lines_never_wait(attempt, monkeypatch):
+    monkeypatch.setattr(logingest, "SYSTEM_LINGER_SECONDS", 1.0)  # long enough for a loaded machine
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    writer.start()
+    writer.system("[hangar] attempt 1 on node-a", False)
+    time.sleep(0.1)
+    assert not stored(attempt)  # held for the job's first line
+    q.put((Stream.STDOUT, timezone.now(), b"hello\n", False))
+    deadline = time.monotonic() + 5
+    while len(stored(attempt)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [line.text for line in stored(attempt)] == ["[hangar] attempt 1 on node-a", "hello"]
+    assert writer.batches == 1  # one write for both
+
+    q.put((Stream.STDOUT, timezone.now(), b"step 1\n", False))  # a job's line alone goes at once
+    while len(stored(attempt)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert writer.batches == 2
+    writer.system("[hangar] the job exited with code 0", False)  # alone, it waits no more than the linger
+    while len(stored(attempt)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    writer.close()
+    assert [line.text for line in stored(attempt)][2:] == ["step 1", "[hangar] the job exited with code 0"]
+    assert writer.batches == 3
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_line_over_the_limit_is_stored_cut_with_a_marker(attempt, settings):
     settings.HANGAR_LOG_LINE_MAX_BYTES = 256
     q: queue.Queue = queue.Queue()
