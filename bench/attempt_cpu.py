@@ -9,9 +9,8 @@ runs the pieces of one job in one process, in turn, and counts the CPU each take
 - attempt: the agent's side of an `echo` attempt, `agent.runner.run_attempt` from begin
   through preflight, spawn, output and the recorded outcome (with its cost, MLflow run
   and the receivers of its end), counted over all the threads it uses;
-- open and close: what the notifier does for it, as the scheduler places it (`hangar.open_run`:
-  the job's MLflow run, which the agent then finds made) and after its end (`hangar.close_run`:
-  the job's state, cost and final status on the run).
+- close: what the notifier does after it (`hangar.close_run`: the job's state, cost and
+  final status on its MLflow run).
 
 On an embedded default (SQLite in a temporary directory, the local MLflow store), or on
 PostgreSQL when DATABASE_URL is set (a fresh database, dropped after). Simulated GPUs,
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tests.livestack import UNSANDBOXED  # noqa: E402
 
 ROUND = 8  # jobs placed per pass: one simulated 8-GPU node
-STEPS = ("submit", "pass", "open", "attempt", "close")
+STEPS = ("submit", "pass", "attempt", "close")
 PROFILES: list[cProfile.Profile] = []
 
 
@@ -117,7 +116,7 @@ def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, lis
     from jobs.api.serializers import JobSubmitSerializer
     from jobs.scheduler import schedule_pass
     from jobs.submission import submit_job
-    from jobs.tasks import close_run, open_run
+    from jobs.tasks import close_run
 
     spec = {"project": "bench", "name": "echo", "command": ["echo", "hello"], "gpus_per_node": 1}
     marks = [(time.process_time(), queries.count if queries else 0)]
@@ -132,9 +131,6 @@ def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, lis
     mark()
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
     placed = schedule_pass()
-    mark()
-    for attempt in placed:  # the notifier's task for each (sent by the scheduler's dispatch)
-        open_run(attempt.job_id, attempt.pk)
     mark()
     for attempt in placed:
         runner.run_attempt(attempt.pk, 0)
@@ -237,7 +233,7 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
     print(
         f"mode={mode} attempts={count} attempt_cpu_ms={cpu['attempt']:.1f} attempt_sql={sql['attempt']:.1f} "
         f"submit_cpu_ms={cpu['submit']:.1f} submit_sql={sql['submit']:.1f} pass_cpu_ms={cpu['pass']:.1f} "
-        f"open_cpu_ms={cpu['open']:.1f} close_cpu_ms={cpu['close']:.1f} "
+        f"close_cpu_ms={cpu['close']:.1f} "
         f"job_cpu_ms={sum(cpu.values()):.1f} job_sql={sum(sql.values()):.1f}"
     )
 

@@ -19,7 +19,6 @@ from django.db.models import Case, IntegerField, Max, Value, When
 from django.utils import timezone
 
 from fleet.models import CachedEnvironment, Node
-from jobs import tracking
 from jobs.metrics import SCHEDULER_PASS
 from jobs.models import (
     ACTIVE_ATTEMPT_STATES,
@@ -276,15 +275,11 @@ def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[At
         JobEvent(job_id=a.job_id, attempt=a, kind="scheduled", message=describe_placement(a, warm.get(a.job_id)))
         for a in attempts
     )
-    tracked = tracking.enabled()
     for a in attempts:
-        # A job's first attempt: the notifier makes its MLflow run meanwhile, not the agent (tracking.open_run).
-        run_for = a.job_id if tracked and a.number == 1 else None
         for rank in a.placement:
             queue = nodes[rank["node_id"]].queue
-            opens = run_for if rank["rank"] == 0 else None
             # robust: one failed send must not skip the others; the reconciler requeues what was not sent.
-            transaction.on_commit(lambda a=a.pk, q=queue, r=rank["rank"], o=opens: dispatch(a, q, r, o), robust=True)
+            transaction.on_commit(lambda a=a.pk, q=queue, r=rank["rank"]: dispatch(a, q, r), robust=True)
     return attempts
 
 
@@ -311,16 +306,13 @@ def preempt(attempt_id: int, reason: str) -> bool:
     return bool(asked)
 
 
-def dispatch(attempt_id: int, queue: str, rank: int = 0, open_run_of: int | None = None) -> None:
-    """Wake the node's agent to start that rank (agent/tasks.py, sent by name); with `open_run_of`
-    (a job's id), also ask the notifier to make the job's MLflow run while the agent starts it."""
+def dispatch(attempt_id: int, queue: str, rank: int = 0) -> None:
+    """Wake the node's agent to start that rank (agent/tasks.py, sent by name)."""
     if settings.HANGAR_FAULT_SCHEDULER_DIE_BEFORE_PUBLISH:
         # Drill-only fault: the placement is committed, its wake-up never sent.
         log.error("fault injected: the scheduler dies before publishing attempt %s", attempt_id)
         os._exit(137)
     app.send_task("hangar.run_attempt", args=[attempt_id, rank], queue=queue)
-    if open_run_of is not None:
-        tracking.open_ahead(open_run_of, attempt_id)
 
 
 def reconcile() -> None:

@@ -30,9 +30,3 @@ def deliver(delivery_id: int) -> str:
 def close_run(job_id: int) -> None:
     """An attempt of the job ended: its state and cost on its MLflow run, closed when the job is over."""
     tracking.attempt_finished(job_id)
-
-
-@shared_task(name="hangar.open_run")
-def open_run(job_id: int, attempt_id: int) -> None:
-    """A job's first attempt was placed: its MLflow run, made while its agent starts it."""
-    tracking.open_run(job_id, attempt_id)

@@ -1,14 +1,13 @@
 """MLflow: an experiment per project, a run per job, handed to the job's processes.
 
-The run is made when the job's first attempt is placed, by the notifier
-(`manage.py notifier`, on the `hangar.tracking` queue: `open_run`, asked by the
-scheduler's dispatch) while the agent starts the attempt; an agent that finds
-none yet makes it itself (`Runner.job_env`). Later attempts reuse it and record
-their number and node as tags. After each attempt's end the notifier writes the
-job's state and cost as tags and, when the job is over, the run's final status.
-Not the agent: MLflow's store took half of an agent's CPU per short job, on the
-process that starts the next one. MLflow being down never stops a job: the
-reason is kept on the job (`tracking_error`) and shown on its page.
+The run is created when the job's first attempt starts (by the agent, in
+`Runner.job_env`); later attempts reuse it and record their number and node as
+tags. After each attempt's end the notifier (`manage.py notifier`, on the
+`hangar.tracking` queue) writes the job's state and cost as tags and, when the
+job is over, the run's final status: MLflow's store took about a fifth of an
+agent's CPU per short job, on the process that starts the next one. MLflow
+being down never stops a job: the reason is kept on the job (`tracking_error`)
+and shown on its page.
 
 Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
 """
@@ -124,10 +123,19 @@ def job_env(job: Job, attempt) -> dict[str, str]:
     if not enabled():
         return {}
     try:
-        # Made by the notifier as the attempt was placed, usually (or by another rank's agent).
-        if not job.mlflow_run_id and not read_run(job):
-            make_run(job, attempt)
-        elif attempt.number > 1:  # the run of an earlier attempt: this one's tags (the first's were made with it)
+        if not job.mlflow_run_id:
+            exp = experiment_id(job.project.slug)
+            tags = {**run_tags(job, attempt), **stage_tags(job, exp)}
+            run = client().create_run(exp, run_name=f"job-{job.pk} {job.name}", tags=tags)
+            won = Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
+                mlflow_experiment_id=exp, mlflow_run_id=run.info.run_id, tracking_error=""
+            )
+            if won:
+                job.mlflow_experiment_id, job.mlflow_run_id = exp, run.info.run_id
+            else:  # another rank's agent created the job's run first: use that one
+                client().delete_run(run.info.run_id)
+                job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
+        else:
             from mlflow.entities import RunTag
 
             tags = [RunTag(key, str(value)) for key, value in run_tags(job, attempt).items()]
@@ -141,55 +149,6 @@ def job_env(job: Job, attempt) -> dict[str, str]:
         "MLFLOW_EXPERIMENT_ID": job.mlflow_experiment_id,
         "MLFLOW_RUN_ID": job.mlflow_run_id,
     }
-
-
-def read_run(job: Job) -> bool:
-    """Whether the job's run was made since `job` was read (the notifier's `open_run`); if so, on `job`."""
-    row = Job.objects.filter(pk=job.pk).values_list("mlflow_experiment_id", "mlflow_run_id").first()
-    if row is None or not row[1]:
-        return False
-    job.mlflow_experiment_id, job.mlflow_run_id = row
-    return True
-
-
-def make_run(job: Job, attempt) -> None:
-    """Make the job's run, tagged for `attempt`, unless another process made it first: `job`
-    then names that one (and the run made here is deleted: no job's processes were told of it)."""
-    exp = experiment_id(job.project.slug)
-    tags = {**run_tags(job, attempt), **stage_tags(job, exp)}
-    run = client().create_run(exp, run_name=f"job-{job.pk} {job.name}", tags=tags)
-    won = Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
-        mlflow_experiment_id=exp, mlflow_run_id=run.info.run_id, tracking_error=""
-    )
-    if won:
-        job.mlflow_experiment_id, job.mlflow_run_id = exp, run.info.run_id
-    else:  # another rank's agent, or the notifier, made the job's run first: that one is the job's
-        client().delete_run(run.info.run_id)
-        job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
-
-
-def open_ahead(job_id: int, attempt_id: int) -> None:
-    """Ask the notifier to make the job's run for its first attempt (never raises: the agent makes
-    it where no one did)."""
-    try:
-        app.send_task("hangar.open_run", kwargs={"job_id": job_id, "attempt_id": attempt_id}, queue=QUEUE)
-    except Exception as exc:
-        log.warning("job %s: the run was not asked for ahead (%s); its agent makes it", job_id, exc)
-
-
-def open_run(job_id: int, attempt_id: int) -> None:
-    """The notifier's side of `open_ahead`: MLflow's store took a third of an agent's CPU per short job,
-    on the process that starts it. Nothing when the job has its run already (its agent was first)."""
-    if not enabled():
-        return
-    job = Job.objects.select_related("project", "submitted_by", "environment").filter(pk=job_id).first()
-    attempt = job.attempts.select_related("node").filter(pk=attempt_id).first() if job else None
-    if attempt is None or job.mlflow_run_id:
-        return
-    try:
-        make_run(job, attempt)
-    except Exception as exc:  # the agent makes it, and records why if it cannot either
-        log.warning("job %s: its MLflow run was not made ahead: %s", job_id, exc)
 
 
 def stage_tags(job: Job, experiment: str) -> dict[str, str]:

@@ -12,8 +12,7 @@ from tests.factories import api_client, make_attempt, make_job, make_node
 def dispatched(monkeypatch) -> list[tuple[int, str, int]]:
     sent: list[tuple[int, str, int]] = []
     monkeypatch.setattr(
-        "jobs.scheduler.dispatch",
-        lambda attempt_id, queue, rank=0, open_run_of=None: sent.append((attempt_id, queue, rank)),
+        "jobs.scheduler.dispatch", lambda attempt_id, queue, rank=0: sent.append((attempt_id, queue, rank))
     )
     return sent
 

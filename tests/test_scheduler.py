@@ -59,9 +59,7 @@ def test_it_takes_the_lowest_free_indices():
 def dispatched(monkeypatch) -> list[tuple[int, str]]:
     """What the pass would send to the node agents' queues (the broker is not under test here)."""
     sent: list[tuple[int, str]] = []
-    monkeypatch.setattr(
-        "jobs.scheduler.dispatch", lambda attempt_id, queue, rank=0, open_run_of=None: sent.append((attempt_id, queue))
-    )
+    monkeypatch.setattr("jobs.scheduler.dispatch", lambda attempt_id, queue, rank=0: sent.append((attempt_id, queue)))
     return sent
 
 

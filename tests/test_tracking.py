@@ -11,8 +11,8 @@ from django.test import Client
 from django.utils import timezone
 
 from agent.runner import Runner
-from jobs import reproduce, scheduler, tasks, tracking
-from jobs.models import Attempt, Environment, Job, JobCost
+from jobs import reproduce, tasks, tracking
+from jobs.models import Environment, Job, JobCost
 from tests.factories import api_client, make_attempt, make_job, make_node
 from tests.livestack import BASE_DIR
 
@@ -58,13 +58,10 @@ def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_s
     assert tags["hangar.command"] == '["python", "train.py"]'
 
 
-def tracking_messages(settings) -> dict[str, dict]:
-    """The messages waiting in the embedded broker for the notifier's tracking queue, by file."""
-    found = {}
-    for file in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg"):
-        message = json.loads(file.read_text())
-        found[file.name] = {"task": message["headers"]["task"], **json.loads(base64.b64decode(message["body"]))[1]}
-    return found
+def tracking_messages(settings) -> list[dict]:
+    """The run updates waiting in the embedded broker for the notifier."""
+    bodies = [json.loads(f.read_text()) for f in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg")]
+    return [{"task": b["headers"]["task"], **json.loads(base64.b64decode(b["body"]))[1]} for b in bodies]
 
 
 def test_the_run_gets_the_final_status_and_the_cost(
@@ -80,7 +77,7 @@ def test_the_run_gets_the_final_status_and_the_cost(
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish("failed", "user", "exited with code 1", 1)
     # The agent only sends the update; the notifier writes it (its task, run here).
-    sent = [m for name, m in tracking_messages(settings).items() if name not in before]
+    sent = [m for m in tracking_messages(settings) if m not in before]
     assert sent == [{"task": "hangar.close_run", "job_id": job.pk}]
     assert tracking.client().get_run(job.mlflow_run_id).info.status == "RUNNING"
     tasks.close_run(**{k: v for k, v in sent[0].items() if k != "task"})
@@ -90,48 +87,6 @@ def test_the_run_gets_the_final_status_and_the_cost(
     found = api_client(job.submitted_by).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
     assert found["available"] and found["series"]["loss"][0][:2] == [1, 0.5]
     assert found["figure"]["data"][0]["y"] == [0.5]
-
-
-def test_a_first_attempt_placed_has_its_run_made_by_the_notifier_and_its_agent_writes_none(
-    mlflow_store, settings, job, node, monkeypatch, django_capture_on_commit_callbacks
-):
-    if not settings.CELERY_BROKER_URL.startswith("filesystem://"):
-        pytest.skip("reads the embedded broker's message files")
-    before = tracking_messages(settings)
-    with django_capture_on_commit_callbacks(execute=True):
-        (attempt,) = scheduler.schedule_pass()
-    sent = [m for name, m in tracking_messages(settings).items() if name not in before]
-    assert sent == [{"task": "hangar.open_run", "job_id": job.pk, "attempt_id": attempt.pk}]
-    tasks.open_run(job_id=job.pk, attempt_id=attempt.pk)  # the notifier
-    job.refresh_from_db()
-    run = tracking.client().get_run(job.mlflow_run_id)
-    assert run.data.tags["hangar.attempt"] == "1" and run.data.tags["hangar.nodes"] == "node-a"
-
-    writes = []
-    for name in ("create_run", "log_batch", "update_run", "set_tag"):
-        original = getattr(type(tracking.client()), name)
-        monkeypatch.setattr(
-            type(tracking.client()),
-            name,
-            lambda self, *a, _n=name, _o=original, **k: writes.append(_n) or _o(self, *a, **k),
-        )
-    Attempt.objects.filter(pk=attempt.pk).update(state="preflight", started_at=timezone.now())
-    loaded = Attempt.objects.select_related("job__project", "job__submitted_by", "node").get(pk=attempt.pk)
-    loaded.job.mlflow_run_id = ""  # the agent read its job before the notifier made the run
-    env = Runner(loaded).job_env()
-    assert env["MLFLOW_RUN_ID"] == job.mlflow_run_id and writes == []
-
-
-def test_a_run_made_second_is_deleted_and_the_first_is_the_jobs(mlflow_store, job, node):
-    env = runner_env(job, node)  # the agent was first
-    late = Job.objects.select_related("project", "submitted_by", "environment").get(pk=job.pk)
-    late.mlflow_run_id = ""  # the notifier read the job before the agent's run was written
-    tracking.make_run(late, job.attempts.select_related("node").get())
-    assert late.mlflow_run_id == env["MLFLOW_RUN_ID"]
-    runs = tracking.client().search_runs([env["MLFLOW_EXPERIMENT_ID"]])
-    assert [r.info.run_id for r in runs] == [env["MLFLOW_RUN_ID"]]  # the notifier's own was deleted
-    tasks.open_run(job_id=job.pk, attempt_id=job.attempts.get().pk)  # its message, late: nothing more
-    assert len(tracking.client().search_runs([env["MLFLOW_EXPERIMENT_ID"]])) == 1
 
 
 def test_an_update_written_while_the_job_moved_on_is_written_again(mlflow_store, job, node, monkeypatch):
