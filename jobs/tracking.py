@@ -207,9 +207,9 @@ def close_in_background(job_id: int) -> None:
 
 def attempt_finished(job_id: int) -> None:
     """After an attempt's end is committed: the job's state and cost on its run, and the run's
-    final status when the job is over. Written until what was written is what the job still
-    says: two updates of one job in flight at once (a requeue, then the next attempt's end) may
-    read in one order and write in the other."""
+    final status when the job is over. A state that is not final is read again once written:
+    two updates of one job in flight at once (a requeue, then the next attempt's end) may read
+    in one order and write in the other, and the last write must be what the job says now."""
     if not enabled():
         return
     written = None
@@ -229,6 +229,8 @@ def attempt_finished(job_id: int) -> None:
                 c.set_terminated(run_id, status=RUN_STATUS[state])
         except Exception as exc:
             _record_error(job_id, exc)
+            return
+        if state in FINAL_JOB_STATES:  # a job's end is its last state
             return
         written = row
 

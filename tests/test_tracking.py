@@ -58,10 +58,14 @@ def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_s
     assert tags["hangar.command"] == '["python", "train.py"]'
 
 
-def tracking_messages(settings) -> list[dict]:
-    """The run updates waiting in the embedded broker for the notifier."""
-    bodies = [json.loads(f.read_text()) for f in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg")]
-    return [{"task": b["headers"]["task"], **json.loads(base64.b64decode(b["body"]))[1]} for b in bodies]
+def tracking_messages(settings) -> dict[str, dict]:
+    """The messages waiting in the embedded broker for the notifier's tracking queue, by file
+    (an earlier test's job may have had the same id)."""
+    found = {}
+    for file in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg"):
+        message = json.loads(file.read_text())
+        found[file.name] = {"task": message["headers"]["task"], **json.loads(base64.b64decode(message["body"]))[1]}
+    return found
 
 
 def test_the_run_gets_the_final_status_and_the_cost(
@@ -77,7 +81,7 @@ def test_the_run_gets_the_final_status_and_the_cost(
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish("failed", "user", "exited with code 1", 1)
     # The agent only sends the update; the notifier writes it (its task, run here).
-    sent = [m for m in tracking_messages(settings) if m not in before]
+    sent = [m for name, m in tracking_messages(settings).items() if name not in before]
     assert sent == [{"task": "hangar.close_run", "job_id": job.pk}]
     assert tracking.client().get_run(job.mlflow_run_id).info.status == "RUNNING"
     tasks.close_run(**{k: v for k, v in sent[0].items() if k != "task"})
