@@ -508,20 +508,27 @@ def replay_spools(node_id: int) -> int:
     next try, and sending it again stores nothing twice.
     """
     sent = 0
-    with _live_lock:
-        live = set(LIVE_SPOOLS)
     for path in sorted(spool_dir(node_id).glob("attempt-*-rank-*.jsonl")):
-        if path in live:
-            continue
-        spool = Spool(path)
-        try:
-            for rows, _ in spool.chunks():
-                store_lines(rows[0].attempt_id, rows, current_only=False)
-        except AttemptNotCurrent as gone:
-            log.warning("spooled log lines of attempt %s dropped: it no longer exists", gone)
-        except (DatabaseError, ValueError, TypeError) as exc:  # unreachable, or a file it cannot read
-            log.error("spooled log lines in %s not sent: %s", path, exc)
-            continue
-        spool.discard()
-        sent += 1
+        # Looked up as each file comes, not once before the loop: a writer claims its file before
+        # it can make it and lets go after its last line, so a file no live writer claims now
+        # gets no more lines (a writer started after a look made once could be spooling into it).
+        with _live_lock:
+            live = path in LIVE_SPOOLS
+        if not live and replay_spool(path):
+            sent += 1
     return sent
+
+
+def replay_spool(path: Path) -> bool:
+    """Send one spool file and remove it; False when it could not be sent (it stays)."""
+    spool = Spool(path)
+    try:
+        for rows, _ in spool.chunks():
+            store_lines(rows[0].attempt_id, rows, current_only=False)
+    except AttemptNotCurrent as gone:
+        log.warning("spooled log lines of attempt %s dropped: it no longer exists", gone)
+    except (DatabaseError, ValueError, TypeError) as exc:  # unreachable, or a file it cannot read
+        log.error("spooled log lines in %s not sent: %s", path, exc)
+        return False
+    spool.discard()
+    return True

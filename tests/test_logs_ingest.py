@@ -358,6 +358,29 @@ def test_a_spool_its_writer_gave_up_on_is_sent_by_the_next_heartbeat_and_a_live_
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_writer_that_starts_spooling_while_spools_are_replayed_keeps_its_file(attempt, monkeypatch, settings):
+    given_up = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(3)], monkeypatch, settings)
+    later = make_attempt(make_job(attempt.job.project, attempt.job.submitted_by), attempt.node, "running")
+    starting = LogWriter(later, queue.Queue(), rank=0)
+    folder = logingest.spool_dir
+
+    def folder_as_a_writer_starts_and_spools(node_id):
+        # The replay has begun: a rank starts now and cannot reach the database.
+        logingest.LIVE_SPOOLS.add(starting.spool.path)  # as its run() does, before any line
+        starting.spool.append(new_lines(later, ["its own"]))
+        return folder(node_id)
+
+    monkeypatch.setattr(logingest, "spool_dir", folder_as_a_writer_starts_and_spools)
+    try:
+        assert logingest.replay_spools(attempt.node_id) == 1
+    finally:
+        logingest.LIVE_SPOOLS.discard(starting.spool.path)
+    assert [line.text for line in stored(attempt)] == ["line 0", "line 1", "line 2"]
+    assert not given_up.spool.path.exists()
+    assert starting.spool.path.exists() and not stored(later)  # its storer's to send, not the replay's
+
+
+@pytest.mark.django_db(transaction=True)
 def test_replaying_a_spool_already_partly_stored_stores_nothing_twice(attempt, monkeypatch, settings):
     writer = spool_and_die(attempt, [f"line {i}\n".encode() for i in range(50)], monkeypatch, settings)
     logingest.store_lines(attempt.pk, new_lines(attempt, [f"line {i}" for i in range(20)]))
