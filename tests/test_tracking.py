@@ -58,6 +58,45 @@ def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_s
     assert tags["hangar.command"] == '["python", "train.py"]'
 
 
+def test_a_run_hangar_writes_reads_back_as_one_mlflow_makes(mlflow_store):
+    """The run is inserted with MLflow's own models (not its create_run, which reads the
+    experiment and the run back): MLflow must read it exactly as one it made itself."""
+    experiment = tracking.experiment_id("vision")
+    tags = {"hangar.job_id": "7", "mlflow.user": "owner", "hangar.command": '["echo", "hi"]'}
+    ours = tracking.client().get_run(tracking.create_run(experiment, "job-7 train", tags))
+    theirs = tracking.client().create_run(experiment, run_name="job-7 train", tags=tags)
+    for field in ("experiment_id", "user_id", "status", "lifecycle_stage", "run_name", "end_time"):
+        assert getattr(ours.info, field) == getattr(theirs.info, field), field
+    assert ours.info.artifact_uri == theirs.info.artifact_uri.replace(theirs.info.run_id, ours.info.run_id)
+    assert ours.data.tags == theirs.data.tags and ours.data.tags["mlflow.runName"] == "job-7 train"
+    assert abs(ours.info.start_time - theirs.info.start_time) < 60_000
+    found = tracking.client().search_runs([experiment], filter_string="tags.`hangar.job_id` = '7'")
+    assert {r.info.run_id for r in found} == {ours.info.run_id, theirs.info.run_id}
+    tracking.client().set_terminated(ours.info.run_id, "FINISHED")
+    assert tracking.client().get_run(ours.info.run_id).info.status == "FINISHED"
+
+
+def test_an_experiment_deleted_in_mlflow_is_said_on_the_job_and_restored_by_the_next(mlflow_store, job, node):
+    first = runner_env(job, node)
+    tracking.client().delete_experiment(first["MLFLOW_EXPERIMENT_ID"])
+    second = make_job(job.project, job.submitted_by)
+    assert "MLFLOW_RUN_ID" not in runner_env(second, node)
+    second.refresh_from_db()
+    assert "was deleted" in second.tracking_error and not second.mlflow_run_id
+    third = make_job(job.project, job.submitted_by)
+    env = runner_env(third, node)
+    assert env["MLFLOW_EXPERIMENT_ID"] == first["MLFLOW_EXPERIMENT_ID"]
+    assert tracking.client().get_experiment(env["MLFLOW_EXPERIMENT_ID"]).lifecycle_stage == "active"
+    assert tracking.client().get_run(env["MLFLOW_RUN_ID"]).info.status == "RUNNING"
+
+
+def test_the_embedded_store_is_written_ahead_so_readers_do_not_wait_for_writers(mlflow_store, tmp_path):
+    import sqlite3
+
+    tracking.client()
+    assert sqlite3.connect(tmp_path / "mlflow.db").execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
 def tracking_messages(settings) -> dict[str, dict]:
     """The messages waiting in the embedded broker for the notifier's tracking queue, by file
     (an earlier test's job may have had the same id)."""
