@@ -25,7 +25,6 @@ So a batch whose commit the writer never saw acknowledged (the connection
 dropped after COMMIT), sent again from the spool, is stored once.
 """
 
-import asyncio
 import json
 import logging
 import queue
@@ -34,12 +33,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import connections
+from agent import connections, hints
 from agent.watch import observe_output
 from jobs import logmetrics, tracking
 from jobs.logparse import SeverityReader, decode_line, is_fault
@@ -200,10 +198,6 @@ class LogWriter(threading.Thread):
         # metrics_from_log (jobs/logmetrics.py): matched by the parser, sent to MLflow by the storer.
         self.metrics = logmetrics.for_job(attempt.job, rank) if tracking.enabled() else None
         self.metric_points: queue.SimpleQueue = queue.SimpleQueue()
-        self.layer = get_channel_layer()
-        # One event loop for all of this writer's hints, so the channel layer keeps
-        # its Redis connection instead of opening one per batch.
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     def read_from(self, pipes: list[tuple], out) -> None:
         """Read each (pipe, stream) to its end on a thread of its own, into `out` (this writer's
@@ -288,8 +282,6 @@ class LogWriter(threading.Thread):
             with _live_lock:
                 LIVE_SPOOLS.discard(self.spool.path)  # lines it could not send: the heartbeat retries them
             connection.close()
-            if self.loop is not None:
-                self.loop.close()  # channels_redis closes this loop's connections
 
     def hand_over(self, rows: list[NewLine] | None, storer: threading.Thread) -> None:
         """Queue a parsed batch for the storer; waits while it stores the previous one, unless it died."""
@@ -478,14 +470,8 @@ class LogWriter(threading.Thread):
             log.warning("attempt %s: the late-lines note was not stored: %s", self.attempt.pk, exc)
 
     def hint(self, seq: int) -> None:
-        if self.layer is None:
-            return
         message: LogAppendedHint = {"type": "log.appended", "attempt": self.attempt.pk, "seq": seq}
-        try:
-            self.loop = self.loop or asyncio.new_event_loop()
-            self.loop.run_until_complete(self.layer.group_send(job_group(self.attempt.job_id), message))
-        except Exception as exc:  # a lost hint only delays delivery until the next poll
-            log.debug("log hint not sent: %s", exc)
+        hints.sender.send(job_group(self.attempt.job_id), message)  # not waited for: it is a nudge
 
 
 # The spool files of this process's live writers (their storers send them); guarded by _live_lock.
