@@ -268,8 +268,7 @@ def close_parent_run(run: PipelineRun, state: str) -> None:
     if not enabled():
         return
     try:
-        client().set_tag(run.mlflow_run_id, "hangar.state", state)
-        client().set_terminated(run.mlflow_run_id, status=RUN_STATUS[state])
+        update_run(run.mlflow_run_id, {"hangar.state": state}, RUN_STATUS[state])
     except Exception as exc:  # MLflow down: the stages' own runs say how they ended
         log.warning("pipeline run %s: closing its MLflow run failed: %s", run.pk, exc)
 
@@ -306,19 +305,44 @@ def attempt_finished(job_id: int) -> None:
             return
         state, run_id, cost = row
         try:
-            from mlflow.entities import RunTag
-
-            c = client()
-            tags = [RunTag("hangar.cost", f"{cost or 0:.4f}"), RunTag("hangar.state", state)]
-            c.log_batch(run_id, tags=tags)  # one round trip (a store transaction), not one per tag
-            if state in FINAL_JOB_STATES:
-                c.set_terminated(run_id, status=RUN_STATUS[state])
+            tags = {"hangar.cost": f"{cost or 0:.4f}", "hangar.state": state}
+            update_run(run_id, tags, RUN_STATUS[state] if state in FINAL_JOB_STATES else None)
         except Exception as exc:
             _record_error(job_id, exc)
             return
         if state in FINAL_JOB_STATES:  # a job's end is its last state
             return
         written = row
+
+
+def update_run(run_id: str, tags: dict[str, str], status: str | None = None) -> None:
+    """Set tags on a run and, given a status, end it. On a database store one transaction that
+    writes only those rows: MLflow's `log_batch` and `set_terminated` are a transaction each,
+    and each reads the run with its tags, params and metrics first."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = client()._tracking_client.store
+    if not isinstance(store, SqlAlchemyStore):
+        from mlflow.entities import RunTag
+
+        client().log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+        if status is not None:
+            client().set_terminated(run_id, status=status)
+        return
+    from mlflow.entities import LifecycleStage
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.tracking.dbmodels.models import SqlRun, SqlTag
+    from sqlalchemy import select, update
+
+    with store.ManagedSessionMaker(read_only=False) as session:
+        stage = session.execute(select(SqlRun.lifecycle_stage).where(SqlRun.run_uuid == run_id)).scalar()
+        if stage != LifecycleStage.ACTIVE:
+            raise MlflowException(f"MLflow run {run_id} was deleted: restore it to have it updated")
+        for key, value in tags.items():
+            session.merge(SqlTag(run_uuid=run_id, key=key, value=value))
+        if status is not None:
+            ended = {"status": status, "end_time": int(time.time() * 1000)}
+            session.execute(update(SqlRun).where(SqlRun.run_uuid == run_id).values(**ended))
 
 
 def _record_error(job_id: int, exc: Exception) -> None:

@@ -76,6 +76,26 @@ def test_a_run_hangar_writes_reads_back_as_one_mlflow_makes(mlflow_store):
     assert tracking.client().get_run(ours.info.run_id).info.status == "FINISHED"
 
 
+def test_a_run_hangar_updates_reads_back_as_one_mlflow_updated(mlflow_store):
+    experiment = tracking.experiment_id("vision")
+    ours, theirs = (tracking.create_run(experiment, "job-8", {"hangar.state": "running"}) for _ in range(2))
+    tracking.update_run(ours, {"hangar.state": "queued", "hangar.cost": "0.5000"})  # a requeue: still running
+    assert tracking.client().get_run(ours).info.status == "RUNNING"
+    tracking.update_run(ours, {"hangar.state": "failed", "hangar.cost": "1.2500"}, "FAILED")
+    from mlflow.entities import RunTag
+
+    tags = [RunTag("hangar.state", "failed"), RunTag("hangar.cost", "1.2500")]
+    tracking.client().log_batch(theirs, tags=tags)
+    tracking.client().set_terminated(theirs, status="FAILED")
+    ours, theirs = tracking.client().get_run(ours), tracking.client().get_run(theirs)
+    assert ours.data.tags == theirs.data.tags and ours.data.tags["hangar.state"] == "failed"
+    assert ours.info.status == theirs.info.status == "FAILED"
+    assert ours.info.end_time and abs(ours.info.end_time - theirs.info.end_time) < 60_000
+    tracking.client().delete_run(ours.info.run_id)
+    with pytest.raises(Exception, match="was deleted"):
+        tracking.update_run(ours.info.run_id, {"hangar.state": "succeeded"}, "FINISHED")
+
+
 def test_an_experiment_deleted_in_mlflow_is_said_on_the_job_and_restored_by_the_next(mlflow_store, job, node):
     first = runner_env(job, node)
     tracking.client().delete_experiment(first["MLFLOW_EXPERIMENT_ID"])
@@ -138,15 +158,15 @@ def test_an_update_written_while_the_job_moved_on_is_written_again(mlflow_store,
     runner_env(job, node)
     job.refresh_from_db()
     Job.objects.filter(pk=job.pk).update(state="queued")
-    log_batch = type(tracking.client()).log_batch
+    update_run = tracking.update_run
     calls = []
 
-    def log_batch_then_the_job_ends(self, run_id, **kwargs):
-        calls.append({t.key: t.value for t in kwargs["tags"]}["hangar.state"])
-        log_batch(self, run_id, **kwargs)
+    def update_then_the_job_ends(run_id, tags, status=None):
+        calls.append(tags["hangar.state"])
+        update_run(run_id, tags, status)
         Job.objects.filter(pk=job.pk).update(state="succeeded")
 
-    monkeypatch.setattr(type(tracking.client()), "log_batch", log_batch_then_the_job_ends)
+    monkeypatch.setattr(tracking, "update_run", update_then_the_job_ends)
     tracking.attempt_finished(job.pk)
     run = tracking.client().get_run(job.mlflow_run_id)
     assert calls == ["queued", "succeeded"]
