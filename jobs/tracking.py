@@ -198,7 +198,7 @@ def create_run(experiment: str, name: str, tags: dict[str, str]) -> str:
     from mlflow.store.tracking.dbmodels.models import SqlExperiment, SqlRun, SqlTag
     from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME, MLFLOW_USER
     from mlflow.utils.uri import append_to_uri_path
-    from sqlalchemy import select
+    from sqlalchemy import insert, select
 
     run_id = uuid.uuid4().hex
     with store.ManagedSessionMaker(read_only=False) as session:
@@ -210,24 +210,27 @@ def create_run(experiment: str, name: str, tags: dict[str, str]) -> str:
         if found is None or found.lifecycle_stage != LifecycleStage.ACTIVE:
             forget_experiment(experiment)  # the next job's look-up restores it (or makes it anew)
             raise MlflowException(f"MLflow experiment {experiment} was deleted: the project's next job restores it")
-        run = SqlRun(
-            name=name,
-            artifact_uri=append_to_uri_path(found.artifact_location, run_id, SqlAlchemyStore.ARTIFACTS_FOLDER_NAME),
-            run_uuid=run_id,
-            experiment_id=int(experiment),
-            source_type=SourceType.to_string(SourceType.UNKNOWN),
-            source_name="",
-            entry_point_name="",
-            user_id=tags.get(MLFLOW_USER, "unknown"),
-            status=RunStatus.to_string(RunStatus.RUNNING),
-            start_time=int(time.time() * 1000),
-            end_time=None,
-            deleted_time=None,
-            source_version="",
-            lifecycle_stage=LifecycleStage.ACTIVE,
-        )
-        run.tags = [SqlTag(key=key, value=value) for key, value in {**tags, MLFLOW_RUN_NAME: name}.items()]
-        session.add(run)
+        run = {
+            "name": name,
+            "artifact_uri": append_to_uri_path(found.artifact_location, run_id, SqlAlchemyStore.ARTIFACTS_FOLDER_NAME),
+            "run_uuid": run_id,
+            "experiment_id": int(experiment),
+            "source_type": SourceType.to_string(SourceType.UNKNOWN),
+            "source_name": "",
+            "entry_point_name": "",
+            "user_id": tags.get(MLFLOW_USER, "unknown"),
+            "status": RunStatus.to_string(RunStatus.RUNNING),
+            "start_time": int(time.time() * 1000),
+            "end_time": None,
+            "deleted_time": None,
+            "source_version": "",
+            "lifecycle_stage": LifecycleStage.ACTIVE,
+        }
+        # Inserted through the models' tables, not as ORM objects: the unit of work's flush
+        # was most of what was left of the run's creation.
+        session.execute(insert(SqlRun.__table__), [run])
+        rows = [{"run_uuid": run_id, "key": k, "value": v} for k, v in {**tags, MLFLOW_RUN_NAME: name}.items()]
+        session.execute(insert(SqlTag.__table__), rows)
     return run_id
 
 
@@ -332,14 +335,15 @@ def update_run(run_id: str, tags: dict[str, str], status: str | None = None) -> 
     from mlflow.entities import LifecycleStage
     from mlflow.exceptions import MlflowException
     from mlflow.store.tracking.dbmodels.models import SqlRun, SqlTag
-    from sqlalchemy import select, update
+    from sqlalchemy import delete, insert, select, update
 
     with store.ManagedSessionMaker(read_only=False) as session:
         stage = session.execute(select(SqlRun.lifecycle_stage).where(SqlRun.run_uuid == run_id)).scalar()
         if stage != LifecycleStage.ACTIVE:
             raise MlflowException(f"MLflow run {run_id} was deleted: restore it to have it updated")
-        for key, value in tags.items():
-            session.merge(SqlTag(run_uuid=run_id, key=key, value=value))
+        table = SqlTag.__table__  # the tags replaced: two statements, not a read and a write per tag
+        session.execute(delete(table).where(table.c.run_uuid == run_id, table.c.key.in_(list(tags))))
+        session.execute(insert(table), [{"run_uuid": run_id, "key": k, "value": v} for k, v in tags.items()])
         if status is not None:
             ended = {"status": status, "end_time": int(time.time() * 1000)}
             session.execute(update(SqlRun).where(SqlRun.run_uuid == run_id).values(**ended))
