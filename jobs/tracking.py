@@ -335,18 +335,19 @@ def update_run(run_id: str, tags: dict[str, str], status: str | None = None) -> 
     from mlflow.entities import LifecycleStage
     from mlflow.exceptions import MlflowException
     from mlflow.store.tracking.dbmodels.models import SqlRun, SqlTag
-    from sqlalchemy import delete, insert, select, update
+    from sqlalchemy import delete, insert, update
 
+    runs, tags_table = SqlRun.__table__, SqlTag.__table__
     with store.ManagedSessionMaker(read_only=False) as session:
-        stage = session.execute(select(SqlRun.lifecycle_stage).where(SqlRun.run_uuid == run_id)).scalar()
-        if stage != LifecycleStage.ACTIVE:
-            raise MlflowException(f"MLflow run {run_id} was deleted: restore it to have it updated")
-        table = SqlTag.__table__  # the tags replaced: two statements, not a read and a write per tag
-        session.execute(delete(table).where(table.c.run_uuid == run_id, table.c.key.in_(list(tags))))
-        session.execute(insert(table), [{"run_uuid": run_id, "key": k, "value": v} for k, v in tags.items()])
-        if status is not None:
-            ended = {"status": status, "end_time": int(time.time() * 1000)}
-            session.execute(update(SqlRun).where(SqlRun.run_uuid == run_id).values(**ended))
+        # The run's row first: whether it is still active, and its lock holds two updates of one
+        # run in turn (their tags' delete and insert would race on PostgreSQL otherwise).
+        ended = {"status": status, "end_time": int(time.time() * 1000)} if status else {"status": runs.c.status}
+        active = (runs.c.run_uuid == run_id) & (runs.c.lifecycle_stage == LifecycleStage.ACTIVE)
+        if not session.execute(update(runs).where(active).values(**ended)).rowcount:
+            raise MlflowException(f"MLflow run {run_id} was deleted (or never made): restore it to have it updated")
+        # The tags replaced: two statements, not a read and a write per tag.
+        session.execute(delete(tags_table).where(tags_table.c.run_uuid == run_id, tags_table.c.key.in_(list(tags))))
+        session.execute(insert(tags_table), [{"run_uuid": run_id, "key": k, "value": v} for k, v in tags.items()])
 
 
 def _record_error(job_id: int, exc: Exception) -> None:
