@@ -185,6 +185,8 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
         "cpu_per_job_ms": {role: spent * 1000 / count for role, spent in cpu.items() if role != "other"},
         "stages": stages,
         # Attempts that did not end their job: why each was run again (a job should need one).
+        # Jobs whose MLflow run could not be made or updated (the job ran; its page says why).
+        "tracking_errors": Counter(j.tracking_error[:100] for j in jobs.values() if j.tracking_error),
         "rerun": Counter(f"{a.state}: {a.reason[:80]}" for a in attempts if a.state != jobs[a.job_id].state),
     }
 
@@ -207,6 +209,8 @@ def report(label: str, result: dict) -> None:
     print(f"  stages p50/p99 ms: {stages}")
     cpu = ", ".join(f"{role} {ms:.1f}" for role, ms in result["cpu_per_job_ms"].items())
     print(f"  CPU ms per job: {cpu}")
+    for why, times in result["tracking_errors"].most_common(3):
+        print(f"  MLflow failed for {times} jobs: {why}")
     for why, times in result["rerun"].most_common(5):
         print(f"  run again {times}x after an attempt {why}")
 
