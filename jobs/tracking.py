@@ -7,7 +7,9 @@ tags. After each attempt's end the notifier (`manage.py notifier`, on the
 job is over, the run's final status: MLflow's store took ~8 ms of the ~50 ms of
 agent CPU an `echo` attempt cost, on the process that starts the next job. MLflow
 being down never stops a job: the reason is kept on the job (`tracking_error`)
-and shown on its page.
+and shown on its page. On a database store both writes are Hangar's own, one
+transaction each on MLflow's tables (`create_run`, `update_run`); a tracking
+server gets MLflow's client calls.
 
 Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
 """
