@@ -157,7 +157,7 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
         (a.running_at - released).total_seconds() * 1000 for a in attempts if a.running_at is not None
     ]
     # Where an attempt's time goes, stage by stage (ms): placed after the GPU it took was freed
-    # (or after submit), picked up by its agent, preflight, and from the process's start to its end recorded.
+    # (or after the release), picked up by its agent, preflight, and from the process's start to its end recorded.
     freed = {}
     for runs in by_gpu.values():
         runs = sorted((a for a in runs if a.running_at and a.finished_at), key=lambda a: a.running_at)
