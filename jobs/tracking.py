@@ -168,12 +168,8 @@ def job_env(job: Job, attempt) -> dict[str, str]:
             else:  # another rank's agent created the job's run first: use that one
                 client().delete_run(run_id)
                 job.refresh_from_db(fields=["mlflow_experiment_id", "mlflow_run_id"])
-        else:
-            from mlflow.entities import RunTag
-
-            tags = [RunTag(key, str(value)) for key, value in run_tags(job, attempt).items()]
-            client().log_batch(job.mlflow_run_id, tags=tags)  # one round trip, not one per tag
-            client().update_run(job.mlflow_run_id, status="RUNNING")
+        else:  # a later attempt: its number and node on the job's run, which runs again
+            update_run(job.mlflow_run_id, {key: str(value) for key, value in run_tags(job, attempt).items()}, "RUNNING")
     except Exception as exc:  # MLflow down or misconfigured: the job runs without tracking
         _record_error(job.pk, exc)
         return {}
@@ -184,20 +180,27 @@ def job_env(job: Job, attempt) -> dict[str, str]:
     }
 
 
+def database_store():
+    """MLflow's SQLAlchemy store when the tracking URI is a database (Hangar writes its rows
+    itself), None for a tracking server (MLflow's client calls it)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = client()._tracking_client.store
+    return store if isinstance(store, SqlAlchemyStore) else None
+
+
 def create_run(experiment: str, name: str, tags: dict[str, str]) -> str:
     """A new RUNNING run's id. On a database store (the embedded default, or PostgreSQL) the run
     and its tags are one insert in one transaction: MLflow's `create_run` also reads the
     experiment with all its tags and reads the new run back with its inputs, which took ~60 %
     of its time and ~20 % of an agent's CPU for short jobs. Its rows are MLflow's own (its
     models, as its `create_run` makes them); a tracking server takes the client's call."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    store = client()._tracking_client.store
-    if not isinstance(store, SqlAlchemyStore):
+    if (store := database_store()) is None:
         return client().create_run(experiment, run_name=name, tags=tags).info.run_id
     from mlflow.entities import LifecycleStage, RunStatus, SourceType
     from mlflow.exceptions import MlflowException
     from mlflow.store.tracking.dbmodels.models import SqlExperiment, SqlRun, SqlTag
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME, MLFLOW_USER
     from mlflow.utils.uri import append_to_uri_path
     from sqlalchemy import insert, select
@@ -321,17 +324,17 @@ def attempt_finished(job_id: int) -> None:
 
 
 def update_run(run_id: str, tags: dict[str, str], status: str | None = None) -> None:
-    """Set tags on a run and, given a status, end it. On a database store one transaction that
-    writes only those rows: MLflow's `log_batch` and `set_terminated` are a transaction each,
-    and each reads the run with its tags, params and metrics first."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    store = client()._tracking_client.store
-    if not isinstance(store, SqlAlchemyStore):
+    """Set tags on a run and, given a status, set it: a final one ends the run, RUNNING (a later
+    attempt) has it run again. On a database store one transaction that writes only those rows:
+    MLflow's `log_batch` and `set_terminated` are a transaction each, and each reads the run
+    with its tags, params and metrics first."""
+    if (store := database_store()) is None:
         from mlflow.entities import RunTag
 
         client().log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
-        if status is not None:
+        if status == "RUNNING":
+            client().update_run(run_id, status=status)
+        elif status is not None:
             client().set_terminated(run_id, status=status)
         return
     from mlflow.entities import LifecycleStage
@@ -343,7 +346,10 @@ def update_run(run_id: str, tags: dict[str, str], status: str | None = None) -> 
     with store.ManagedSessionMaker(read_only=False) as session:
         # The run's row first: whether it is still active, and its lock holds two updates of one
         # run in turn (their tags' delete and insert would race on PostgreSQL otherwise).
-        ended = {"status": status, "end_time": int(time.time() * 1000)} if status else {"status": runs.c.status}
+        if status is None:
+            ended = {"status": runs.c.status}  # as it is: the row is written for its lock only
+        else:  # a run that runs again has no end (yet)
+            ended = {"status": status, "end_time": None if status == "RUNNING" else int(time.time() * 1000)}
         active = (runs.c.run_uuid == run_id) & (runs.c.lifecycle_stage == LifecycleStage.ACTIVE)
         if not session.execute(update(runs).where(active).values(**ended)).rowcount:
             raise MlflowException(f"MLflow run {run_id} was deleted (or never made): restore it to have it updated")

@@ -96,6 +96,20 @@ def test_a_run_hangar_updates_reads_back_as_one_mlflow_updated(mlflow_store):
         tracking.update_run(ours.info.run_id, {"hangar.state": "succeeded"}, "FINISHED")
 
 
+def test_a_later_attempt_tags_the_same_run_which_runs_again(mlflow_store, job, node):
+    first = runner_env(job, node)
+    job.refresh_from_db()
+    job.attempts.update(state="lost", finished_at=timezone.now())  # the first attempt was lost, the job requeued
+    tracking.update_run(job.mlflow_run_id, {"hangar.state": "queued"})
+    second = make_attempt(job, make_node("node-b"), "preflight", started_at=timezone.now())
+    second = type(second).objects.select_related("job__project", "node").get(pk=second.pk)
+    env = Runner(second).job_env()
+    assert env["MLFLOW_RUN_ID"] == first["MLFLOW_RUN_ID"]
+    run = tracking.client().get_run(first["MLFLOW_RUN_ID"])
+    assert run.data.tags["hangar.attempt"] == str(second.number) and run.data.tags["hangar.nodes"] == "node-b"
+    assert run.info.status == "RUNNING" and run.info.end_time is None
+
+
 def test_an_experiment_deleted_in_mlflow_is_said_on_the_job_and_restored_by_the_next(mlflow_store, job, node):
     first = runner_env(job, node)
     tracking.client().delete_experiment(first["MLFLOW_EXPERIMENT_ID"])
