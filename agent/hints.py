@@ -34,6 +34,8 @@ class HintSender:
         with self.lock:
             if self.in_flight >= MAX_IN_FLIGHT:
                 self.dropped += 1
+                if self.dropped % 1000 == 1:  # the first, then every thousandth: viewers fall back to polling
+                    log.warning("log hints dropped (%d so far): the channel layer is not taking them", self.dropped)
                 return False
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
