@@ -302,7 +302,7 @@ def owner_of(path: Path) -> int | None:
 def hidden_paths(settings) -> tuple[str, ...]:
     from portal.models import Volume
 
-    registered = Volume.objects.values_list("path", flat=True)
+    registered = Volume.objects.order_by().values_list("path", flat=True)  # a set: unordered (no join to projects)
     return (
         str(settings.DATA_DIR),
         str(settings.HANGAR_JOB_WORKDIR),

@@ -349,7 +349,8 @@ def stage_run_by(job: Job) -> PipelineStage | None:
     """The stage this job runs (with its run), or None. Read once per job object: an attempt's
     start asks several times (its env, its directory, the sandbox's binds, its MLflow run's tags)."""
     if not hasattr(job, "_pipeline_stage"):
-        job._pipeline_stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run").first()
+        stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run")
+        job._pipeline_stage = stage.order_by().first()  # one at most: no ordering (through the run) to build
     return job._pipeline_stage
 
 

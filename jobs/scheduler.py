@@ -75,7 +75,8 @@ def node_environments(nodes: list[Node]) -> dict[int, frozenset[str]]:
 def node_caches(nodes: list[Node]) -> dict[int, frozenset[str]]:
     """The requirement keys of the cached environments each node holds (agent/envcache.py reports them)."""
     keys: dict[int, set[str]] = defaultdict(set)
-    for node_id, held in CachedEnvironment.objects.filter(node__in=nodes).values_list("node_id", "keys"):
+    held_by = CachedEnvironment.objects.filter(node__in=nodes).order_by()  # merged: no ordering (through nodes)
+    for node_id, held in held_by.values_list("node_id", "keys"):
         keys[node_id].update(held or [])
     return {n.pk: frozenset(keys[n.pk]) for n in nodes}
 

@@ -73,7 +73,10 @@ class Attempt(models.Model):
     )
 
     class Meta:
-        ordering = ["job", "number"]
+        # By the job's id, not "job": ordering through the relation would join the job's table
+        # (for its own ordering) into every unordered query of attempts, and lock the job's
+        # row too in a select_for_update (an agent's start, each log batch's fence).
+        ordering = ["job_id", "number"]
         constraints = [
             models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique"),
             # The database itself refuses a second live attempt of one job.
@@ -111,6 +114,16 @@ class Attempt(models.Model):
         False if that rank was taken already or the attempt is no longer current."""
         now = timezone.now()
         with transaction.atomic():
+            # The first rank taken (every one-node attempt's only one): one conditional write. No
+            # rank of a scheduled attempt has been taken, so its rank_status is this rank's alone.
+            first = {"rank_status": {str(rank): None}, "lease_expires_at": lease_from(now), "started_at": now}
+            if Attempt.objects.filter(pk=self.pk, state=AttemptState.SCHEDULED).update(
+                state=AttemptState.PREFLIGHT, **first
+            ):
+                self.rank_status = first["rank_status"]
+                Job.objects.filter(pk=self.job_id, state=JobState.SCHEDULED).update(state=JobState.PREFLIGHT)
+                return True
+            # Another rank of it was taken first (or it ended): read it under its lock.
             row = Attempt.objects.select_for_update().filter(pk=self.pk).values("state", "rank_status").first()
             if row is None or row["state"] not in ACTIVE_ATTEMPT_STATES or str(rank) in row["rank_status"]:
                 return False
