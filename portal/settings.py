@@ -193,7 +193,8 @@ if DATABASE_URL:
 else:
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            # Django's SQLite backend, whose writers take turns on a lock file (portal/sqlite/base.py).
+            "ENGINE": "portal.sqlite",
             "NAME": DATA_DIR / "hangar.sqlite3",
             "OPTIONS": {
                 # Web, scheduler and agent are separate processes writing one file:
@@ -209,7 +210,7 @@ else:
             "TEST": {"NAME": str(DATA_DIR / "test-hangar.sqlite3")},
         }
     }
-EMBEDDED_DATABASE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
+EMBEDDED_DATABASE = DATABASES["default"]["ENGINE"] in ("portal.sqlite", "django.db.backends.sqlite3")
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
