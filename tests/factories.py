@@ -1,9 +1,11 @@
 """Small factories for test data (users, projects, nodes, jobs, attempts) and API clients."""
 
 import os
+import threading
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 from rest_framework.test import APIClient
 
 from fleet.models import GPU, Node
@@ -96,3 +98,18 @@ def services_database() -> ServicesDatabase:
             pytest.fail(f"services mode must run in CI: {missing}")
         pytest.skip(missing)
     return services
+
+
+def in_thread(call, results: list) -> threading.Thread:
+    """Run `call` on a thread of its own (with its own database connection, closed after),
+    appending what it returns to `results`."""
+
+    def run():
+        try:
+            results.append(call())
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

@@ -3,32 +3,18 @@ bound, 429 with Retry-After; long polls never take every request thread, so shor
 requests are not starved."""
 
 import asyncio
-import threading
 import time
 
 import pytest
-from django.db import connection
 
 from portal.capacity import limits, slots
 from portal.sync_http import SyncHttpApp
-from tests.factories import api_client, make_job, make_project, make_user
+from tests.factories import api_client, in_thread, make_job, make_project, make_user
 from tests.test_sync_http import scope
 
 
 def follow(client, job, wait=3):
     return client.get(f"/api/v1/jobs/{job.pk}/logs/", {"follow": 1, "wait": wait})
-
-
-def in_thread(call, results: list):
-    def run():
-        try:
-            results.append(call())
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
 
 
 @pytest.mark.django_db(transaction=True)

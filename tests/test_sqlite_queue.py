@@ -4,7 +4,6 @@ waits for the transaction that holds the turn and goes in as soon as it ends, wi
 import fcntl
 import os
 import stat
-import threading
 import time
 
 import pytest
@@ -12,6 +11,7 @@ from django.db import connection, transaction
 
 from portal.models import Project
 from portal.sqlite.base import WriteQueue, writes
+from tests.factories import in_thread
 
 pytestmark = pytest.mark.skipif(connection.vendor != "sqlite", reason="the embedded database's own")
 
@@ -21,17 +21,9 @@ def test_it_tells_writes_from_reads():
     assert not any(writes(q) for q in ["SELECT 1", "BEGIN IMMEDIATE", "PRAGMA foreign_keys = ON", "SAVEPOINT s1"])
 
 
-def write_in_thread(done: list) -> threading.Thread:
-    def write() -> None:
-        try:
-            Project.objects.filter(slug="queued").update(name="second")  # autocommit: one statement
-            done.append(time.monotonic())
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=write)
-    thread.start()
-    return thread
+def write_then_time() -> float:
+    Project.objects.filter(slug="queued").update(name="second")  # autocommit: one statement
+    return time.monotonic()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -42,7 +34,7 @@ def test_a_write_waits_for_the_transaction_that_holds_the_turn_and_goes_in_when_
     try:
         with transaction.atomic():
             Project.objects.filter(slug="queued").update(name="held")
-            thread = write_in_thread(done)
+            thread = in_thread(write_then_time, done)
             time.sleep(0.5)
             assert not done  # waiting its turn (SQLite's busy handler would wait too, polling)
             ended = time.monotonic()
