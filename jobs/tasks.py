@@ -6,10 +6,11 @@ from jobs import notify, scheduler, tracking
 
 
 @shared_task(name="hangar.schedule")
-def schedule(requested_at: float | None = None) -> int:
+def schedule(requested_at: float | None = None, clock: str | None = None) -> int:
     """One scheduling pass (sent to the scheduler's queue on submit, finish and cancel),
-    unless a pass that started after this wake-up was sent has completed already."""
-    if scheduler.pass_already_covers(requested_at):
+    unless a pass that started after this wake-up was sent has completed already.
+    `clock`: the sender's (portal/wakeup.py), to know whether its time reads ours."""
+    if scheduler.pass_already_covers(requested_at, clock):
         return 0
     return len(scheduler.schedule_pass())
 

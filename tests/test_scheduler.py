@@ -4,6 +4,7 @@ import itertools
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -355,7 +356,7 @@ def wakeups(monkeypatch) -> list[float]:
     from portal import wakeup
 
     sent: list[float] = []
-    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda: sent.append(time.monotonic()))
+    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda requested_at: sent.append(time.monotonic()))
     monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
     return sent
 
@@ -402,7 +403,7 @@ def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
 
     sending, sent = threading.Event(), []
 
-    def slow_publish():
+    def slow_publish(requested_at):
         sent.append(time.monotonic())
         sending.set()
         time.sleep(1.0)
@@ -418,6 +419,34 @@ def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
     assert sent[1] >= asked
 
 
+def test_a_wakeup_carries_the_time_of_the_latest_request_it_answers(monkeypatch):
+    """Not the time it leaves: a pass that began after the request (after its commit) covers
+    it, however long the send waited for a slow one before it."""
+    from portal import wakeup
+
+    sending, sent = threading.Event(), []
+
+    def slow_publish(requested_at):
+        sent.append((requested_at, time.time()))
+        sending.set()
+        time.sleep(0.5)
+
+    monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    first = time.time()
+    wakeup.send_pass_request()
+    assert sending.wait(5)
+    wakeup.send_pass_request()
+    latest = time.time()
+    wakeup.send_pass_request()
+    asked = time.time()
+    wait_for(lambda: len(sent) == 2)
+    assert first <= sent[0][0] <= sent[0][1]
+    requested_at, left_at = sent[1]
+    assert latest <= requested_at <= asked  # the later of the two requests it answers
+    assert left_at - requested_at > 0.3  # it left after the slow send before it
+
+
 def test_a_wakeup_older_than_a_completed_pass_is_skipped(db, monkeypatch):
     from jobs import scheduler, tasks
 
@@ -430,3 +459,34 @@ def test_a_wakeup_older_than_a_completed_pass_is_skipped(db, monkeypatch):
     assert tasks.schedule(requested_at=sent_before) == 0
     assert not scheduler.pass_already_covers(time.time())  # sent since: gets its pass
     assert not scheduler.pass_already_covers(None)  # a wake-up of old, without a time
+
+
+def test_a_wakeup_from_this_machine_needs_no_margin(db, monkeypatch):
+    """Sent on this machine (its clock is ours) just before a pass began: that pass read the
+    queue after the sender's commit, so it needs no pass of its own. From another machine,
+    whose clock may differ, only one older than the pass by the margin is covered."""
+    from jobs import scheduler, tasks
+    from portal import wakeup
+
+    monkeypatch.setattr(scheduler, "last_pass_started", 0.0)
+    monkeypatch.setattr(wakeup, "CLOCK", "this-boot")
+    just_before = time.time() - 0.01
+    schedule_pass()
+
+    assert scheduler.pass_already_covers(just_before, "this-boot")
+    assert tasks.schedule(requested_at=just_before, clock="this-boot") == 0
+    assert not scheduler.pass_already_covers(just_before, "another-machine")
+    assert not scheduler.pass_already_covers(just_before)  # a sender that did not say
+    assert not scheduler.pass_already_covers(time.time(), "this-boot")  # sent since: gets its pass
+    monkeypatch.setattr(wakeup, "CLOCK", None)  # no boot id here: every sender gets the margin
+    assert not scheduler.pass_already_covers(just_before, None)
+
+
+def test_a_wakeup_says_which_clock_its_time_reads(monkeypatch):
+    from portal import wakeup
+
+    sent = []
+    monkeypatch.setattr(wakeup.app, "send_task", lambda name, kwargs, queue: sent.append(kwargs))
+    wakeup._publish_wakeup(1234.5)
+    assert sent[0]["clock"] == wakeup.clock_id() == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert sent[0]["requested_at"] == 1234.5
