@@ -91,6 +91,9 @@ class ProjectLimits:
     max_gpus_per_job: int | None = None
 
 
+NO_LIMITS = ProjectLimits()  # a project with no row of limits (never changed: shared)
+
+
 @dataclass
 class Placement:
     job_id: int
@@ -245,6 +248,7 @@ class Pass:
         self.never_fits: dict[Request, Waiting | None] = {}
         self.full: set[Request] = set()  # shapes that found no free GPUs this pass
         self.no_victims: set[tuple] = set()
+        self.settled: dict[tuple, Waiting] = {}  # shapes whose jobs can only wait now: why they wait
         self.runtimes: dict[int, float] = {}
 
     def count(self, project_id: int, user_id: int, gpus: int) -> None:
@@ -253,13 +257,12 @@ class Pass:
         self.user_running[(project_id, user_id)] += 1
 
     def limits(self, job: QueuedJob) -> ProjectLimits:
-        return self.projects.get(job.project_id) or ProjectLimits()
+        return self.projects.get(job.project_id) or NO_LIMITS
 
-    def within_quota(self, job: QueuedJob) -> bool:
-        return self.gpus_used[job.project_id] + job.request.total <= self.limits(job).quota
+    def within_quota(self, job: QueuedJob, limits: ProjectLimits) -> bool:
+        return self.gpus_used[job.project_id] + job.request.total <= limits.quota
 
-    def limit_reason(self, job: QueuedJob) -> Waiting | None:
-        limits = self.limits(job)
+    def limit_reason(self, job: QueuedJob, limits: ProjectLimits) -> Waiting | None:
         if limits.max_gpus_per_job is not None and job.request.total > limits.max_gpus_per_job:
             allowed = limits.max_gpus_per_job
             return Waiting("project_limit", f"asks for {job.request.total} GPUs; the project allows {allowed} a job")
@@ -273,22 +276,28 @@ class Pass:
     def run(self, jobs: list[QueuedJob]) -> Plan:
         later = []
         for job in jobs:  # guaranteed quota first, in priority order
-            if self.limit_reason(job) is None and self.within_quota(job):
+            limits = self.limits(job)
+            if self.limit_reason(job, limits) is None and self.within_quota(job, limits):
                 self.consider(job, borrowing=False)
             else:
-                later.append(job)
-        for job in later:  # then what borrows idle GPUs, in priority order
-            if reason := self.limit_reason(job):
+                later.append((job, limits))
+        for job, limits in later:  # then what borrows idle GPUs, in priority order
+            if reason := self.limit_reason(job, limits):
                 self.plan.waiting[job.job_id] = reason
-            elif not self.limits(job).may_borrow and not self.within_quota(job):
-                quota = self.limits(job).quota
-                self.plan.waiting[job.job_id] = Waiting("quota", f"the project's quota of {quota} GPUs is in use")
+            elif (within := self.within_quota(job, limits)) or limits.may_borrow:
+                self.consider(job, borrowing=not within)
             else:
-                self.consider(job, borrowing=not self.within_quota(job))
+                self.plan.waiting[job.job_id] = Waiting(
+                    "quota", f"the project's quota of {limits.quota} GPUs is in use"
+                )
         return self.plan
 
     def consider(self, job: QueuedJob, borrowing: bool) -> None:
         request = job.request
+        key = (request, job.rank, job.may_preempt, borrowing, job.project_id)
+        if (settled := self.settled.get(key)) is not None and not job.avoid:
+            self.plan.waiting[job.job_id] = settled
+            return
         if (never := self.unplaceable(request)) is not None:
             self.plan.waiting[job.job_id] = never
             return
@@ -310,6 +319,11 @@ class Pass:
                 self.full.add(request)  # GPUs only get fewer during a pass
         if not self.preempt_for(job, borrowing):
             self.reserve(job)
+            if not job.avoid and len(self.reservations) >= MAX_RESERVATIONS:
+                # Its shape found no free GPUs and no victims, and no reservation is left to
+                # make: all three only get fewer during a pass, so every later job of this
+                # key (most of a long queue on a busy fleet) ends here too, as this one did.
+                self.settled[key] = self.plan.waiting[job.job_id]
 
     def allowed(self, job: QueuedJob):
         check = self.backfill_check(job)

@@ -58,6 +58,7 @@ PASS_LIMIT = 20000  # queued jobs looked at in one pass
 CHUNK = 500
 WAKEUP_CLOCK_MARGIN = 0.5
 
+NO_NODES: frozenset[int] = frozenset()
 last_pass_started = 0.0  # wall clock: when the last completed pass of this process began
 
 
@@ -148,37 +149,37 @@ def queue_order():
     return Job.objects.filter(state=JobState.QUEUED).annotate(rank=rank).order_by("-rank", "order_at", "id")
 
 
+QUEUE_FIELDS = (
+    "pk", "project_id", "submitted_by_id", "priority", "gpus_per_node", "gpu_type", "nodes",
+    "environment__name", "requirements_key", "max_runtime_seconds", "retries", "requeues", "preemptions",
+)  # fmt: skip
+
+
 def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
-    rows = queue_order().values(
-        "pk", "project_id", "submitted_by_id", "priority", "gpus_per_node", "nodes", "gpu_type",
-        "environment__name", "max_runtime_seconds", "requirements_key", "retries", "requeues", "preemptions",
-    )[:limit]  # fmt: skip
-    out, classes = [], priority_classes()
-    avoid = suspected_nodes([r["pk"] for r in rows if ran_before(r)])
-    for r in rows:
-        cls = classes.get(r["priority"]) or priority_class(r["priority"])
-        env = r["environment__name"] or ""
-        request = Request(r["gpus_per_node"], r["gpu_type"], r["nodes"], env, r["requirements_key"])
+    """The queue as the policy reads it. Every pass reads all of it (a long queue on a busy
+    fleet: most of a pass), so as tuples, with one Request per shape: most jobs share a few."""
+    rows = list(queue_order().values_list(*QUEUE_FIELDS)[:limit])
+    classes, shapes = priority_classes(), {}
+    avoid = suspected_nodes([row[0] for row in rows if ran_before(*row[-3:])])
+    out = []
+    for pk, project_id, user_id, priority, gpus, gpu_type, nodes, env, key, runtime, *_ in rows:
+        cls = classes.get(priority) or priority_class(priority)
+        shape = (gpus, gpu_type, nodes, env or "", key)
+        if (request := shapes.get(shape)) is None:
+            request = shapes[shape] = Request(*shape)
         out.append(
             QueuedJob(
-                r["pk"],
-                request,
-                r["project_id"],
-                r["submitted_by_id"],
-                cls.rank,
-                cls.may_preempt,
-                float(r["max_runtime_seconds"]),
-                avoid.get(r["pk"], frozenset()),
-            )  # fmt: skip
+                pk, request, project_id, user_id, cls.rank, cls.may_preempt, float(runtime), avoid.get(pk, NO_NODES)
+            )
         )
     return out
 
 
-def ran_before(counts: dict) -> bool:
+def ran_before(retries: int, requeues: int, preemptions: int) -> bool:
     """Whether a queued job had an attempt: the only way back to the queue after one is a requeue
     (Attempt._move_job_on), which counts a retry, a requeue or a preemption. A job fresh from
     its submit (most of a queue) has no suspicion to read."""
-    return bool(counts["retries"] or counts["requeues"] or counts["preemptions"])
+    return bool(retries or requeues or preemptions)
 
 
 def suspected_nodes(job_ids: list[int]) -> dict[int, frozenset[int]]:

@@ -180,7 +180,7 @@ def test_a_requeued_job_avoids_the_node_its_output_accused(project, owner, trans
 def test_a_pass_reads_suspicions_only_for_queued_jobs_that_ran_before(project, owner, transactional_db):
     a = make_node("node-a", gpus=1)
     fresh = [make_job(project, owner) for _ in range(3)]
-    assert not any(scheduler.ran_before(j.__dict__) for j in fresh)
+    assert not any(scheduler.ran_before(j.retries, j.requeues, j.preemptions) for j in fresh)
     with CaptureQueriesContext(connection) as fresh_pass:
         scheduler.queued_jobs()
     # A fresh queue (most of one: jobs from their submit) cannot have a suspicion: no read of them.

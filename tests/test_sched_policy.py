@@ -279,3 +279,62 @@ def test_estimated_starts_follow_the_queue_and_running_work():
     starts = estimate_starts(jobs, [node(1, [])], busy)
 
     assert starts == {1: 600, 2: 1200, 3: None}
+
+
+# --- a long queue on a busy fleet ------------------------------------------------------
+
+
+class Forgetful(dict):
+    """A pass's memo of settled shapes that never keeps one: every job decided in full."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_a_long_queue_is_decided_as_if_each_job_were_looked_at_in_full():
+    """Once a shape finds no free GPUs, no victims and no reservation left to make, the pass
+    tells its later jobs why they wait without deciding each again (policy.Pass.settled). On
+    random busy fleets and long mixed queues, that changes no placement, preemption or reason."""
+    from jobs.policy import Pass
+
+    rng = random.Random(11)
+    for _ in range(60):
+        free = [(n, rng.choice([0, 0, 1, 2, 8]), rng.choice(["H100", "B300"])) for n in range(1, 5)]
+        busy = [
+            running(a, [(rng.randint(1, 4), [0])], rank=rng.choice([SCAVENGER, NORMAL, HIGH]),
+                    preemptible=rng.random() < 0.5, borrowed=rng.random() < 0.5, project_id=rng.randint(1, 3))
+            for a in range(1, rng.randint(2, 12))
+        ]  # fmt: skip
+        projects = {p: ProjectLimits(quota=rng.choice([0, 2, 8]), may_borrow=rng.random() < 0.8) for p in (1, 2, 3)}
+        queue = [
+            job(j, gpus=rng.choice([1, 1, 1, 2, 8]), nodes=rng.choice([1, 1, 2]), rank=rng.choice([LOW, NORMAL, HIGH]),
+                project=rng.randint(1, 3), gpu_type=rng.choice(["", "", "B300"]),
+                avoid=frozenset({rng.randint(1, 4)}) if rng.random() < 0.1 else frozenset())
+            for j in range(1, 150)
+        ]  # fmt: skip
+        # Each pass takes GPUs out of its own lists and marks its own victims: a copy each.
+        memo = Pass([node(*n) for n in free], [RunningAttempt(**vars(a)) for a in busy], projects)
+        full = Pass([node(*n) for n in free], [RunningAttempt(**vars(a)) for a in busy], projects)
+        full.settled = Forgetful()
+        got, want = memo.run(queue), full.run(queue)
+
+        assert got.placements == want.placements
+        assert got.preemptions == want.preemptions
+        assert got.waiting == want.waiting
+        assert memo.settled  # the memo was used: most of such a queue waits
+
+
+def test_a_shape_settled_for_one_project_is_decided_again_for_another():
+    """Project 1's jobs find the fleet full of its own borrowed attempts (no victims for them)
+    and use up the reservations; project 2's job of the same shape may still take back what
+    project 1 borrowed."""
+    fleet = [node(1, 0)]
+    busy = [running(a, [(1, [a])], rank=NORMAL, project_id=1) for a in range(8)]  # borrowed
+    projects = {1: ProjectLimits(quota=16), 2: ProjectLimits(quota=8)}
+    queue = [job(j, project=1) for j in range(1, 11)] + [job(50, project=2)]
+
+    result = plan(queue, fleet, busy, projects)
+
+    assert all(result.waiting[j].code == "capacity" for j in range(1, 11))
+    assert list(result.preemptions.values()) == [50]
+    assert result.waiting[50].code == "preempting"
