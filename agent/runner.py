@@ -434,9 +434,13 @@ class Runner:
 
     def watch(self) -> tuple[Outcome, int | None]:
         self.stop_keeping_lease()  # this loop renews it while the process runs
-        deadline = time.monotonic() + self.job.max_runtime_seconds
-        next_check = next_renew = 0.0
-        lease_ok_at = time.monotonic()
+        started = time.monotonic()
+        deadline = started + self.job.max_runtime_seconds
+        # The start (mark_running) renewed the lease a moment ago, and a stop asked since is a
+        # check away at most: the first look is due then, not now (a job shorter than a check,
+        # most short ones, is not looked at while it runs: one write less per job).
+        next_check, next_renew = started + CHECK_SECONDS, started + renew_every()
+        lease_ok_at = started
         while self.proc.poll() is None:
             now = time.monotonic()
             if self.stop_requested is None and now >= deadline:

@@ -251,3 +251,44 @@ def test_a_stored_job_never_hands_the_loaders_variables_to_what_the_agent_runs_a
     assert "seed=7 debug=none" in texts
     assert any(t.startswith("[hangar] not given to the job: LD_DEBUG, LD_DEBUG_OUTPUT") for t in texts)
     assert list(tmp_path.glob("trace*")) == []  # nothing wrote the file it named
+
+
+def test_a_job_shorter_than_a_check_is_not_looked_at_while_it_runs(transactional_db, project, owner, monkeypatch):
+    """Its start renewed the lease: the watch's first look (a read, or the renewal's write) is
+    a check's time after it, and a job that ends before then needs none."""
+    make_node("node-a", gpus=1)
+    make_job(project, owner, command=["sleep", "0.1"])
+    (attempt,) = scheduler.schedule_pass()
+    looks = []
+    poll = execution.Runner.poll_attempt
+    monkeypatch.setattr(execution.Runner, "poll_attempt", lambda runner, renew=True: looks.append(
+        (runner.proc is not None and runner.proc.poll() is None, renew)) or poll(runner, renew))  # fmt: skip
+
+    execution.run_attempt(attempt.pk)
+
+    attempt.refresh_from_db()
+    assert attempt.state == AttemptState.SUCCEEDED
+    assert not [look for look in looks if look[0]]  # none while its process ran
+
+
+def test_a_cancel_asked_before_the_process_started_stops_it_within_a_check(
+    transactional_db, project, owner, monkeypatch
+):
+    make_node("node-a", gpus=1)
+    job = make_job(project, owner, command=["sleep", "30"])
+    (attempt,) = scheduler.schedule_pass()
+    started = time.monotonic()
+    original = execution.Runner.start_process
+
+    def start_then_cancel(runner):
+        proc = original(runner)
+        Attempt.objects.filter(pk=attempt.pk).update(cancel_requested_at=timezone.now())  # asked during the start
+        return proc
+
+    monkeypatch.setattr(execution.Runner, "start_process", start_then_cancel)
+    execution.run_attempt(attempt.pk)
+
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert (attempt.state, job.state) == (AttemptState.CANCELLED, JobState.CANCELLED)
+    assert time.monotonic() - started < 15  # far from the job's 30 s: the first check caught it
