@@ -13,11 +13,16 @@ let go, so writers take turns with no sleeping between tries. Readers take nothi
 
 As with SQLite's own lock, a transaction must never wait for another thread's write: here that
 wait would not end after the busy timeout, it would not end.
+
+A closed connection is kept for the process's next one (`Parked`): Django's connections are
+per thread, and most threads here are short (a web request, an attempt's runner, its log
+storer, its MLflow start), each opening the file anew.
 """
 
 import fcntl
 import os
 import sqlite3
+import threading
 from contextlib import contextmanager
 
 from django.db.backends.sqlite3.base import DatabaseWrapper as SQLiteDatabaseWrapper
@@ -92,15 +97,102 @@ class QueuedCursorWrapper(SQLiteCursorWrapper):
             yield
 
 
+PARKED_PER_DATABASE = 16
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+class Parked:
+    """Idle connections of this process, kept for its next thread that needs one. A new
+    connection reads the whole schema on its first statement (~1 ms of CPU, more than most
+    queries): an agent opened three for each attempt, the web one for each request.
+
+    A connection is parked only in autocommit, outside any transaction and not holding its turn
+    to write, so it is as a new one would be; it is taken again only in the process that parked
+    it (no SQLite connection may cross a fork), and only while its file is the same file (one
+    deleted and made anew under its name, as a test database is, is not)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        self.idle: dict[tuple, list[tuple[QueuedConnection, tuple[int, int] | None]]] = {}
+        self.forked: list = []  # a parent's connections, never used nor closed here
+
+    def key(self, conn_params: dict) -> tuple:
+        return tuple(sorted((name, repr(value)) for name, value in conn_params.items()))
+
+    def take(self, conn_params: dict) -> QueuedConnection | None:
+        key, stale = self.key(conn_params), []
+        with self.lock:
+            self.after_fork()
+            idle = self.idle.get(key, [])
+            identity = file_identity(conn_params["database"]) if idle else None
+            found = None
+            while idle and found is None:
+                conn, parked_on = idle.pop()
+                if parked_on is not None and parked_on == identity:
+                    found = conn
+                else:
+                    stale.append(conn)
+        for conn in stale:
+            close_connection(conn)
+        return found
+
+    def park(self, conn_params: dict, conn: QueuedConnection) -> bool:
+        key = self.key(conn_params)
+        with self.lock:
+            self.after_fork()
+            idle = self.idle.setdefault(key, [])
+            if len(idle) >= PARKED_PER_DATABASE:
+                return False
+            idle.append((conn, file_identity(conn_params["database"])))
+        return True
+
+    def after_fork(self) -> None:
+        if self.pid != os.getpid():
+            self.forked.append(self.idle)
+            self.idle, self.pid = {}, os.getpid()
+
+
+def close_connection(conn: QueuedConnection) -> None:
+    try:
+        conn.close()
+    finally:
+        if conn.queue is not None:
+            conn.queue.close()
+
+
+PARKED = Parked()
+
+
 class DatabaseWrapper(SQLiteDatabaseWrapper):
     def get_connection_params(self):
         return {**super().get_connection_params(), "factory": QueuedConnection}
 
     def get_new_connection(self, conn_params):
+        if not self.is_in_memory_db() and (parked := PARKED.take(conn_params)) is not None:
+            return parked
         conn = super().get_new_connection(conn_params)
         if not self.is_in_memory_db():
             conn.queue = WriteQueue(f"{self.settings_dict['NAME']}.lock")
         return conn
+
+    def parkable(self) -> bool:
+        conn = self.connection
+        return (
+            conn is not None
+            and getattr(conn, "queue", None) is not None  # a file database's
+            and self.autocommit
+            and not self.in_atomic_block
+            and not conn.in_transaction
+            and conn.queue.holder is None
+        )
 
     def create_cursor(self, name=None):
         return self.connection.cursor(factory=QueuedCursorWrapper)
@@ -129,6 +221,8 @@ class DatabaseWrapper(SQLiteDatabaseWrapper):
             self._end_turn()
 
     def _close(self):
+        if self.parkable() and PARKED.park(self.get_connection_params(), self.connection):
+            return None
         queue = getattr(self.connection, "queue", None)
         try:
             return super()._close()
