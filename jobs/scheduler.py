@@ -4,7 +4,8 @@ and apply the decision under row locks, dispatching after commit.
 Two passes never hand out one GPU twice: a pass locks every schedulable node
 row for its whole transaction (PostgreSQL: SELECT ... FOR UPDATE; SQLite: the
 IMMEDIATE transaction is the write lock), reads what live attempts hold only
-after taking the lock, and a job leaves `queued` by a conditional update.
+after taking the lock, and a job leaves `queued` by a conditional update (the
+queue itself is read before the lock).
 """
 
 import logging
@@ -235,18 +236,35 @@ def pass_already_covers(requested_at: float | None, clock: str | None = None) ->
 
 
 def _schedule_pass() -> list[Attempt]:
+    if not Node.objects.schedulable().exists():  # a cordoned fleet: no queue to read
+        return []
+    # The queue and the quotas are read before the locks: a job leaves `queued` only by the
+    # conditional update under them (_start_chunk), so one placed by another pass or cancelled
+    # meanwhile is skipped there, and a preemption is asked only for a job still queued. What
+    # live attempts hold is read under them. (On SQLite the pass's transaction holds the one
+    # write turn: reading a long queue in it kept every agent's write waiting.)
+    jobs, projects = queued_jobs(), project_limits()
     with transaction.atomic():
         nodes = list(Node.objects.schedulable().select_for_update().order_by("pk"))
         if not nodes:
             return []
-        projects, running = project_limits(), running_attempts()
+        running = running_attempts()
         mark_borrowed(running, projects)  # by the quotas as they are now
         free = free_gpus(nodes, running, node_environments(nodes), node_caches(nodes))
-        decided = plan(queued_jobs(), free, running, projects)
+        decided = plan(jobs, free, running, projects)
         placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
+        waiting = still_queued(set(decided.preemptions.values()))
         for attempt_id, job_id in decided.preemptions.items():
-            preempt(attempt_id, f"preempted to make room for job {job_id}")
+            if job_id in waiting:
+                preempt(attempt_id, f"preempted to make room for job {job_id}")
     return placed
+
+
+def still_queued(job_ids: set[int]) -> set[int]:
+    """Of these jobs, those still queued, read under the pass's locks."""
+    if not job_ids:
+        return set()
+    return set(Job.objects.filter(pk__in=job_ids, state=JobState.QUEUED).values_list("pk", flat=True))
 
 
 def start_attempts(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:

@@ -246,3 +246,59 @@ def test_a_gang_whose_rank_never_started_is_ended_and_requeued(project, owner, s
     assert (attempt.state, attempt.failure_class) == (AttemptState.LOST, FailureClass.INFRA)
     assert "a rank was not started" in attempt.reason
     assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
+
+
+# --- the queue is read before the pass's locks --------------------------------------
+
+
+def test_no_preemption_for_a_job_that_left_the_queue_after_it_was_read(project, owner, node, run_pass, monkeypatch):
+    from jobs import scheduler
+
+    victim = make_job(project, owner, gpus_per_node=4, priority="scavenger")
+    attempt = make_attempt(victim, node, AttemptState.RUNNING, gpu_indices=[0, 1, 2, 3], running_at=timezone.now())
+    urgent = make_job(project, owner, gpus_per_node=4, priority="urgent")
+    read = scheduler.queued_jobs
+
+    def read_then_cancelled():
+        queue = read()
+        urgent.cancel(owner, "cancelled while the pass read the queue")
+        return queue
+
+    monkeypatch.setattr(scheduler, "queued_jobs", read_then_cancelled)
+    assert run_pass() == []
+
+    attempt.refresh_from_db()
+    assert attempt.preempt_requested_at is None
+    assert not JobEvent.objects.filter(job=victim, kind="preempt").exists()
+    assert Job.objects.get(pk=urgent.pk).state == JobState.CANCELLED
+
+
+def test_a_job_placed_by_another_pass_after_the_read_is_not_placed_again(project, owner, run_pass, monkeypatch):
+    from jobs import scheduler
+
+    make_node("node-a", gpus=1)
+    make_node("node-b", gpus=1)
+    job = make_job(project, owner, gpus_per_node=1)
+    read = scheduler.queued_jobs
+
+    def read_then_placed_elsewhere():
+        queue = read()
+        monkeypatch.setattr(scheduler, "queued_jobs", read)
+        assert len(run_pass()) == 1  # the other pass, between this one's read and its locks
+        return queue
+
+    monkeypatch.setattr(scheduler, "queued_jobs", read_then_placed_elsewhere)
+    assert run_pass() == []
+    assert Attempt.objects.filter(job=job).count() == 1
+
+
+def test_a_pass_on_a_cordoned_fleet_reads_no_queue(project, owner, node):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    make_job(project, owner)
+    node.cordon(None, "maintenance")
+
+    with CaptureQueriesContext(connection) as queries:
+        assert schedule_pass() == []
+    assert not any("jobs_job" in q["sql"] for q in queries.captured_queries)
