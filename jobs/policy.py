@@ -82,7 +82,7 @@ class RunningAttempt:
         return self.gpus * self.elapsed / 3600
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProjectLimits:
     quota: int = 0
     may_borrow: bool = True
@@ -91,7 +91,7 @@ class ProjectLimits:
     max_gpus_per_job: int | None = None
 
 
-NO_LIMITS = ProjectLimits()  # a project with no row of limits (never changed: shared)
+NO_LIMITS = ProjectLimits()  # a project with no row of limits
 
 
 @dataclass
