@@ -106,32 +106,32 @@ def test_a_connection_closed_inside_a_transaction_is_not_kept():
 
 def test_a_kept_connection_is_not_taken_for_a_file_made_anew_nor_in_a_forked_child(tmp_path):
     path = str(tmp_path / "db.sqlite3")
-    params = {"database": path, "factory": QueuedConnection}
+    key = Parked.key({"database": path, "factory": QueuedConnection})
     parked = Parked()
 
     def opened():
         conn = sqlite3.connect(path, factory=QueuedConnection)
-        conn.queue = WriteQueue(f"{path}.lock")
+        conn.queue, conn.parked_as = WriteQueue(f"{path}.lock"), (key, path)
         conn.execute("CREATE TABLE IF NOT EXISTS t (v)")
         return conn
 
     same = opened()
-    assert parked.park(params, same) and parked.take(params) is same
-    assert parked.take(params) is None  # taken: no longer kept
+    assert parked.park(same) and parked.take(key, path) is same
+    assert parked.take(key, path) is None  # taken: no longer kept
 
     gone = opened()
-    parked.park(params, gone)
+    parked.park(gone)
     os.remove(path)
     opened().close()  # a new file under the same name
-    assert parked.take(params) is None
+    assert parked.take(key, path) is None
     with pytest.raises(sqlite3.ProgrammingError):
         gone.execute("SELECT 1")  # closed, not left open
 
     kept = opened()
-    parked.park(params, kept)
+    parked.park(kept)
     pid = os.fork()
     if pid == 0:  # no SQLite connection may cross a fork
-        os._exit(0 if parked.take(params) is None else 1)
+        os._exit(0 if parked.take(key, path) is None else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert parked.take(params) is kept  # the parent's is still the parent's
+    assert parked.take(key, path) is kept  # the parent's is still the parent's

@@ -70,6 +70,7 @@ class QueuedConnection(sqlite3.Connection):
     """sqlite3's connection, with its place in the writers' queue (None for a memory database)."""
 
     queue: WriteQueue | None = None
+    parked_as: tuple[tuple, str] | None = None  # its key among kept connections, and its file
 
 
 def writes(query: str) -> bool:
@@ -124,15 +125,16 @@ class Parked:
         self.idle: dict[tuple, list[tuple[QueuedConnection, tuple[int, int] | None]]] = {}
         self.forked: list = []  # a parent's connections, never used nor closed here
 
-    def key(self, conn_params: dict) -> tuple:
+    @staticmethod
+    def key(conn_params: dict) -> tuple:
         return tuple(sorted((name, repr(value)) for name, value in conn_params.items()))
 
-    def take(self, conn_params: dict) -> QueuedConnection | None:
-        key, stale = self.key(conn_params), []
+    def take(self, key: tuple, path: str) -> QueuedConnection | None:
+        stale = []
         with self.lock:
             self.after_fork()
             idle = self.idle.get(key, [])
-            identity = file_identity(conn_params["database"]) if idle else None
+            identity = file_identity(path) if idle else None
             found = None
             while idle and found is None:
                 conn, parked_on = idle.pop()
@@ -144,14 +146,14 @@ class Parked:
             close_connection(conn)
         return found
 
-    def park(self, conn_params: dict, conn: QueuedConnection) -> bool:
-        key = self.key(conn_params)
+    def park(self, conn: QueuedConnection) -> bool:
+        key, path = conn.parked_as
         with self.lock:
             self.after_fork()
             idle = self.idle.setdefault(key, [])
             if len(idle) >= PARKED_PER_DATABASE:
                 return False
-            idle.append((conn, file_identity(conn_params["database"])))
+            idle.append((conn, file_identity(path)))
         return True
 
     def after_fork(self) -> None:
@@ -176,18 +178,21 @@ class DatabaseWrapper(SQLiteDatabaseWrapper):
         return {**super().get_connection_params(), "factory": QueuedConnection}
 
     def get_new_connection(self, conn_params):
-        if not self.is_in_memory_db() and (parked := PARKED.take(conn_params)) is not None:
+        if self.is_in_memory_db():
+            return super().get_new_connection(conn_params)
+        key, path = Parked.key(conn_params), str(conn_params["database"])
+        if (parked := PARKED.take(key, path)) is not None:
             return parked
         conn = super().get_new_connection(conn_params)
-        if not self.is_in_memory_db():
-            conn.queue = WriteQueue(f"{self.settings_dict['NAME']}.lock")
+        conn.queue = WriteQueue(f"{self.settings_dict['NAME']}.lock")
+        conn.parked_as = (key, path)
         return conn
 
     def parkable(self) -> bool:
         conn = self.connection
         return (
             conn is not None
-            and getattr(conn, "queue", None) is not None  # a file database's
+            and getattr(conn, "parked_as", None) is not None  # a file database's
             and self.autocommit
             and not self.in_atomic_block
             and not conn.in_transaction
@@ -221,7 +226,7 @@ class DatabaseWrapper(SQLiteDatabaseWrapper):
             self._end_turn()
 
     def _close(self):
-        if self.parkable() and PARKED.park(self.get_connection_params(), self.connection):
+        if self.parkable() and PARKED.park(self.connection):
             return None
         queue = getattr(self.connection, "queue", None)
         try:
