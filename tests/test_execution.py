@@ -259,16 +259,21 @@ def test_a_job_shorter_than_a_check_is_not_looked_at_while_it_runs(transactional
     make_node("node-a", gpus=1)
     make_job(project, owner, command=["sleep", "0.1"])
     (attempt,) = scheduler.schedule_pass()
-    looks = []
+    looks_while_running = []
     poll = execution.Runner.poll_attempt
-    monkeypatch.setattr(execution.Runner, "poll_attempt", lambda runner, renew=True: looks.append(
-        (runner.proc is not None and runner.proc.poll() is None, renew)) or poll(runner, renew))  # fmt: skip
+
+    def counted(runner, renew=True):
+        if runner.proc is not None and runner.proc.poll() is None:
+            looks_while_running.append(renew)
+        return poll(runner, renew)
+
+    monkeypatch.setattr(execution.Runner, "poll_attempt", counted)
 
     execution.run_attempt(attempt.pk)
 
     attempt.refresh_from_db()
     assert attempt.state == AttemptState.SUCCEEDED
-    assert not [look for look in looks if look[0]]  # none while its process ran
+    assert looks_while_running == []
 
 
 def test_a_cancel_asked_before_the_process_started_stops_it_within_a_check(
