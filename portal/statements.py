@@ -1,0 +1,286 @@
+"""Statements compiled once: the hot queries of a job's life, built and compiled into SQL
+the first time they run in a process, then run again with other values.
+
+Django builds a QuerySet's query and compiles its SQL on every run. For the short
+statements an agent sends per attempt that is most of their CPU: loading the attempt to
+run with its job, project, environment and user (121 columns) takes ~1.8 ms to build
+and compile and ~0.2 ms to execute on SQLite. A statement here is a function of named,
+typed values that builds the QuerySet (or the update) with the ORM:
+
+    @statements.query
+    def attempt_to_run(pk: int):
+        return Attempt.objects.select_related("job").filter(pk=pk)[:1]
+
+    attempt = attempt_to_run.first(pk=7)
+
+The first run in a process compiles it twice, with two sets of stand-in values, and keeps
+the SQL and where each value goes in its parameters; every later run copies the kept
+compiler with the values put in their places, and Django's own iterables make the rows
+(model instances, select_related included, dicts or tuples) as the QuerySet would.
+
+What a statement may take, so that this stays exact:
+- values of the types in KINDS, each adapted as Django adapts that type for its field;
+- SQL that does not depend on the values: no None in a condition (that is IS NULL; an
+  update's new value may be None where its type says `| None`), no list for __in
+  (its length is in the SQL), no value an expression transforms (__contains adds %...%).
+  The first compile checks this and raises StatementError otherwise: the two compiles
+  must give one SQL text, and each parameter that differs between them must be the
+  stand-in of exactly one value, adapted. Anything else is a constant.
+"""
+
+import inspect
+import threading
+import types
+import typing
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.models import QuerySet
+from django.db.models.sql import UpdateQuery
+from django.db.models.sql.constants import ROW_COUNT
+from django.db.transaction import TransactionManagementError
+
+
+class StatementError(Exception):
+    """A statement's SQL depends on its values, or a value is put in it in a way it cannot follow."""
+
+
+def _int(index: int, round_: int) -> int:
+    # Positive and inside a 32-bit integer: Django refuses (as an empty result) a value out of a field's range.
+    return 1_900_000_000 + round_ * 100_000 + index
+
+
+def _str(index: int, round_: int) -> str:
+    return f"\x1fstatement value {round_}.{index}\x1f"
+
+
+def _float(index: int, round_: int) -> float:
+    return 1.9e9 + round_ * 1e5 + index + 0.25
+
+
+def _datetime(index: int, round_: int) -> datetime:
+    return datetime(2990 + round_, 1, 1, tzinfo=UTC) + timedelta(microseconds=index + 1)
+
+
+def _as_is(value, connection):
+    return value
+
+
+def _adapt_datetime(value, connection):
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+# A value's type -> (its stand-ins, how Django adapts it for the database). The fields
+# of these types (IntegerField and its kin, CharField, TextField, FloatField,
+# DateTimeField) adapt a value of that type this way, in a filter as in an update.
+KINDS: dict[type, tuple[typing.Callable[[int, int], object], typing.Callable]] = {
+    int: (_int, _as_is),
+    str: (_str, _as_is),
+    float: (_float, _as_is),
+    datetime: (_datetime, _adapt_datetime),
+}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One statement's SQL on one database, and the compiler that made it (set up: its
+    selected columns, related models and converters), copied for each run."""
+
+    sql: str
+    params: tuple
+    # (position in params, index of the value, the type the database's adapter gives it or None)
+    slots: tuple[tuple[int, int, type | None], ...]
+    compiler: object
+    queryset: QuerySet | None  # a query's QuerySet, None for an update
+    locks: bool  # SELECT ... FOR UPDATE: only inside a transaction
+
+
+class _Prepared:
+    """The kept query as a run's QuerySet sees it: everything read from the query, but
+    the compiler is the run's copy, whose SQL is made already."""
+
+    def __init__(self, query, compiler):
+        self._query = query
+        self._compiler = compiler
+
+    def get_compiler(self, using=None, connection=None, elide_empty=True):
+        return self._compiler
+
+    def __getattr__(self, name):
+        return getattr(self._query, name)
+
+
+class Statement:
+    """A query or an update built by `build` from its named, typed values (see the module)."""
+
+    def __init__(self, build: typing.Callable, update: bool = False):
+        self.build = build
+        self.update_statement = update
+        self.names = list(inspect.signature(build).parameters)
+        hints = typing.get_type_hints(build)
+        self.kinds, self.optional = [], set()
+        for index, name in enumerate(self.names):
+            kind = hints.get(name)
+            if update and typing.get_origin(kind) in (typing.Union, types.UnionType):
+                kinds = [k for k in typing.get_args(kind) if k is not type(None)]
+                if len(kinds) == 1 and len(typing.get_args(kind)) == 2:
+                    kind = kinds[0]
+                    self.optional.add(index)
+            if kind not in KINDS:
+                known = ", ".join(k.__name__ for k in KINDS)
+                optional = " (or, a new value of an update, one of them | None)" if update else ""
+                raise StatementError(f"{build.__qualname__}: give {name} one of the types {known}{optional}")
+            self.kinds.append(kind)
+        self.compiled: dict[str, Compiled] = {}
+        self.lock = threading.Lock()
+        self.__doc__ = build.__doc__
+        self.__name__ = build.__name__
+
+    def __repr__(self) -> str:
+        return f"<statement {self.build.__module__}.{self.build.__qualname__}>"
+
+    # --- compiling, once per database ----------------------------------------------------------
+
+    def _built(self, round_: int):
+        values = [KINDS[kind][0](index, round_) for index, kind in enumerate(self.kinds)]
+        built = self.build(*values)
+        if self.update_statement:
+            queryset, changes = built
+            query = queryset.query.chain(UpdateQuery)
+            query.add_update_values(changes)
+            query.clear_select_clause()
+            return values, queryset, query
+        return values, built, built.query
+
+    def _compile(self, alias: str) -> Compiled:
+        connection = connections[alias]
+        rounds = []
+        for round_ in (0, 1):
+            values, queryset, query = self._built(round_)
+            compiler = query.get_compiler(using=alias)
+            sql, params = compiler.as_sql()
+            rounds.append((values, queryset, query, compiler, sql, tuple(params)))
+        (values, queryset, query, compiler, sql, params), (others, _, _, _, sql_b, params_b) = rounds
+        where = self.build.__qualname__
+        if self.update_statement and query.related_updates:
+            raise StatementError(f"{where}: an update of more than one table")
+        if sql != sql_b or len(params) != len(params_b):
+            raise StatementError(f"{where}: its SQL depends on its values")
+        adapted = [
+            (KINDS[kind][1](a, connection), KINDS[kind][1](b, connection))
+            for kind, a, b in zip(self.kinds, values, others, strict=True)
+        ]
+        slots, used = [], set()
+        for position, (a, b) in enumerate(zip(params, params_b, strict=True)):
+            if type(a) is type(b) and a == b:
+                continue  # a constant of the statement
+            mine = [
+                (index, wrap)
+                for index, (x, y) in enumerate(adapted)
+                if (wrap := _wrapper(a, x)) is not False and _wrapper(b, y) == wrap
+            ]
+            if len(mine) != 1:
+                raise StatementError(f"{where}: parameter {position} ({a!r}) is none of its values as given")
+            slots.append((position, *mine[0]))
+            used.add(mine[0][0])
+        if self.optional:
+            # None is put in as NULL only where the value is a column's new value (SET col = NULL);
+            # in a condition, col = NULL is never true (Django writes IS NULL there).
+            where_params = compiler.compile(compiler.query.where)[1] if compiler.query.where else []
+            new_values = len(params) - len(where_params)
+            if misplaced := sorted(
+                {self.names[i] for position, i, _ in slots if i in self.optional and position >= new_values}
+            ):
+                raise StatementError(
+                    f"{where}: {', '.join(misplaced)} may be None, so only a new value, not a condition"
+                )
+        if unused := [self.names[index] for index in range(len(self.names)) if index not in used]:
+            raise StatementError(f"{where}: {', '.join(unused)} not found in its SQL as given (transformed?)")
+        kept = None if self.update_statement else queryset
+        locks = bool(getattr(query, "select_for_update", False))
+        return Compiled(sql, params, tuple(slots), compiler, kept, locks)
+
+    def _prepared(self, values: dict, using: str):
+        compiled = self.compiled.get(using)
+        if compiled is None:
+            with self.lock:
+                compiled = self.compiled.get(using) or self._compile(using)
+                self.compiled[using] = compiled
+        if set(values) != set(self.names):
+            raise TypeError(f"{self!r} takes {', '.join(self.names)}; given {', '.join(sorted(values))}")
+        connection = connections[using]
+        params = list(compiled.params)
+        for position, index, wrap in compiled.slots:
+            value = values[self.names[index]]
+            if value is None and index in self.optional:
+                params[position] = None
+                continue
+            if not isinstance(value, self.kinds[index]) or isinstance(value, bool) and self.kinds[index] is int:
+                raise TypeError(f"{self!r}: {self.names[index]} must be {self.kinds[index].__name__}, not {value!r}")
+            value = KINDS[self.kinds[index]][1](value, connection)
+            params[position] = value if wrap is None else wrap(value)
+        if compiled.locks and connection.features.has_select_for_update and connection.get_autocommit():
+            raise TransactionManagementError("select_for_update cannot be used outside of a transaction.")
+        compiler = _copy(compiled.compiler)
+        compiler.connection = connection
+        compiler.using = using
+        sql = compiled.sql
+        compiler.as_sql = lambda *args, **kwargs: (sql, params)
+        return compiled, compiler
+
+    # --- running ------------------------------------------------------------------------------
+
+    def rows(self, using: str = DEFAULT_DB_ALIAS, **values) -> list:
+        """What the query's QuerySet would give for these values, as a list."""
+        if self.update_statement:
+            raise TypeError(f"{self!r} is an update: call .update()")
+        compiled, compiler = self._prepared(values, using)
+        queryset = _copy(compiled.queryset)  # not copy.copy: a QuerySet's __getstate__ runs it
+        queryset._query = _Prepared(compiled.queryset.query, compiler)
+        queryset._db = using
+        queryset._result_cache = None
+        return list(queryset)
+
+    def first(self, using: str = DEFAULT_DB_ALIAS, **values):
+        """The first row, or None (slice the QuerySet, [:1], so only one is read)."""
+        return next(iter(self.rows(using, **values)), None)
+
+    def update(self, using: str = DEFAULT_DB_ALIAS, **values) -> int:
+        """Run the update; the number of rows it matched."""
+        if not self.update_statement:
+            raise TypeError(f"{self!r} is a query: call .rows() or .first()")
+        _, compiler = self._prepared(values, using)
+        with transaction.mark_for_rollback_on_error(using=using):
+            return compiler.execute_sql(ROW_COUNT)
+
+
+def _copy(kept):
+    """A shallow copy of a kept object, for one run."""
+    copied = object.__new__(type(kept))
+    copied.__dict__.update(kept.__dict__)
+    return copied
+
+
+def _wrapper(param, adapted) -> type | None | bool:
+    """How a parameter is made from a value as adapted: None when it is that value; its type
+    when the database's adapter typed it (PostgreSQL's backend sends an integer field's
+    value as psycopg's Int4 or Int8, an int); False when it is not made from that value."""
+    if type(param) is type(adapted):
+        return None if param == adapted else False
+    if isinstance(param, type(adapted)):  # a subclass, made from the value
+        try:
+            return type(param) if type(param)(adapted) == param else False
+        except (TypeError, ValueError):
+            return False
+    return False
+
+
+def query(build: typing.Callable) -> Statement:
+    """A statement that reads: `build(**values)` returns the QuerySet."""
+    return Statement(build)
+
+
+def update(build: typing.Callable) -> Statement:
+    """A statement that writes: `build(**values)` returns (QuerySet, {field: new value})."""
+    return Statement(build, update=True)
