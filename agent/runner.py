@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from django.conf import settings
@@ -40,6 +41,7 @@ from fleet.preflight import Result
 from fleet.preflight import record as record_checks
 from jobs import jobspec, pipelines, secret_env, tracking
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Launcher, Stream, lease_from
+from portal import statements
 from portal.models import volume_env_name
 
 log = logging.getLogger("hangar.agent")
@@ -71,14 +73,38 @@ def renew_every() -> float:
     return min(max(settings.HANGAR_LEASE_SECONDS / 6, CHECK_SECONDS), 5.0)
 
 
+@statements.query
+def attempt_to_run(pk: int):
+    """The attempt with what its run reads: its job, node, project, environment and user."""
+    related = ("job", "node", "job__project", "job__environment", "job__submitted_by")
+    return Attempt.objects.select_related(*related).filter(pk=pk)[:1]
+
+
+@statements.update
+def renew_if_running(pk: int, lease_expires_at: datetime):
+    """Renew a started attempt's lease, unless a stop was asked of it."""
+    running_on = {"state__in": STARTED_ATTEMPT_STATES, "cancel_requested_at": None, "preempt_requested_at": None}
+    return Attempt.objects.filter(pk=pk, **running_on), {"lease_expires_at": lease_expires_at}
+
+
+@statements.update
+def renew_while_stopping(pk: int, lease_expires_at: datetime):
+    """Renew a started attempt's lease while its process gets the grace period of a stop."""
+    return Attempt.objects.filter(pk=pk, state__in=STARTED_ATTEMPT_STATES), {"lease_expires_at": lease_expires_at}
+
+
+@statements.query
+def stop_asked(pk: int):
+    """An attempt's state and the stop asked of it, if any."""
+    asked = ("state", "cancel_requested_at", "preempt_requested_at", "reason")
+    return Attempt.objects.filter(pk=pk).values_list(*asked)[:1]
+
+
 def run_attempt(attempt_id: int, rank: int = 0) -> None:
     """Entry point of the agent's Celery task: run one rank of an attempt."""
     close_old_connections()
     try:
-        attempt = Attempt.objects.select_related(
-            "job", "node", "job__project", "job__environment", "job__submitted_by"
-        ).filter(pk=attempt_id)
-        attempt = attempt.first()
+        attempt = attempt_to_run.first(pk=attempt_id)
         if attempt is None or not attempt.begin(rank):
             log.info("attempt %s rank %s is taken or no longer current; nothing to run", attempt_id, rank)
             return
@@ -468,25 +494,12 @@ class Runner:
         the row is read when it matches nothing, or when only looking. Returns whether the
         database answered (not whether the attempt is still current: see `self.current`)."""
         try:
-            if renew:
-                renewed = Attempt.objects.filter(
-                    pk=self.attempt.pk,
-                    state__in=STARTED_ATTEMPT_STATES,
-                    cancel_requested_at__isnull=True,
-                    preempt_requested_at__isnull=True,
-                ).update(lease_expires_at=lease_from(timezone.now()))
-                if renewed:
-                    return True
-            row = (
-                Attempt.objects.filter(pk=self.attempt.pk)
-                .values_list("state", "cancel_requested_at", "preempt_requested_at", "reason")
-                .first()
-            )
+            if renew and renew_if_running.update(pk=self.attempt.pk, lease_expires_at=lease_from(timezone.now())):
+                return True
+            row = stop_asked.first(pk=self.attempt.pk)
             if renew and row is not None and row[0] in STARTED_ATTEMPT_STATES:
                 # Asked to stop: keep the lease while the process gets its grace period.
-                Attempt.objects.filter(pk=self.attempt.pk, state__in=STARTED_ATTEMPT_STATES).update(
-                    lease_expires_at=lease_from(timezone.now())
-                )
+                renew_while_stopping.update(pk=self.attempt.pk, lease_expires_at=lease_from(timezone.now()))
         except DatabaseError as exc:
             log.warning("attempt %s: cannot reach the database to renew its lease: %s", self.attempt.pk, exc)
             close_old_connections()

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from jobs.models import FINAL_JOB_STATES, FailureClass, Job, JobEvent, JobState
 from jobs.signals import attempt_finished, job_ended
-from portal import wakeup
+from portal import statements, wakeup
 
 ON = ("succeeded", "finished")
 
@@ -73,9 +73,15 @@ def settle_dependents(job_id: int, project_id: int | None = None) -> None:
         if job is None or job["state"] not in FINAL_JOB_STATES:
             return  # requeued, or a cancel only asked for: not over yet
         project_id = job["project_id"]
-    for dependent in Job.objects.filter(project_id=project_id, state=JobState.BLOCKED).only("depends_on"):
+    for dependent in blocked_in.rows(project_id=project_id):
         if any(d["job"] == job_id for d in dependent.depends_on):
             settle(dependent)
+
+
+@statements.query
+def blocked_in(project_id: int):
+    """A project's blocked jobs, with what they depend on."""
+    return Job.objects.filter(project_id=project_id, state=JobState.BLOCKED).only("depends_on")
 
 
 @receiver(attempt_finished)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection, transaction
-from django.db.models import Max
 
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, LogLine
+from portal import statements
 
 COPY_MIN_ROWS = 64  # below this a multi-row INSERT is as fast as COPY
 COPY_COLUMNS = (
@@ -55,19 +55,38 @@ def store_lines(attempt_id: int, rows: list[NewLine], current_only: bool = True,
     with transaction.atomic():
         # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
         # attempt that is being ended waits for (or refuses) this batch.
-        fenced = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id)
-        if current_only:
-            fenced = fenced.filter(state__in=STARTED_ATTEMPT_STATES)
-        if not (job_id := fenced.values_list("job_id", flat=True).first()):
+        fence = started_attempt_locked if current_only else attempt_locked
+        if not (job_id := fence.first(pk=attempt_id)):
             raise AttemptNotCurrent(attempt_id)
         if not fresh:
             rows = unstored(attempt_id, rows)
-        last = LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).aggregate(m=Max("seq"))["m"] or 0
+        last = last_seq.first(job_id=job_id, attempt_id=attempt_id) or 0
         for offset, row in enumerate(rows, start=1):
             row.seq = last + offset
         if rows:
             insert_rows(rows)
     return last + len(rows)
+
+
+@statements.query
+def started_attempt_locked(pk: int):
+    """A started attempt's job, the attempt locked (its writers' fence)."""
+    started = Attempt.objects.select_for_update(no_key=True).filter(pk=pk, state__in=STARTED_ATTEMPT_STATES)
+    return started.values_list("job_id", flat=True)[:1]
+
+
+@statements.query
+def attempt_locked(pk: int):
+    """Any attempt's job, the attempt locked."""
+    return Attempt.objects.select_for_update(no_key=True).filter(pk=pk).values_list("job_id", flat=True)[:1]
+
+
+@statements.query
+def last_seq(job_id: int, attempt_id: int):
+    """The attempt's last line number: the (job, attempt, seq) index read backwards from its end."""
+    return (
+        LogLine.objects.filter(job_id=job_id, attempt_id=attempt_id).order_by("-seq").values_list("seq", flat=True)[:1]
+    )
 
 
 def unstored(attempt_id: int, rows: list[NewLine]) -> list[NewLine]:

@@ -39,6 +39,7 @@ from jobs import jobspec, reproduce
 from jobs.models import Job, JobState, PipelineRun, PipelineStage, pipeline_state
 from jobs.signals import attempt_finished, job_ended
 from jobs.submission import project_for, submit_job
+from portal import statements
 from portal.models import Project, Role
 
 STAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -345,12 +346,17 @@ def cancel(run: PipelineRun, by, reason: str = "") -> list[str]:
     return cancelled[::-1]
 
 
+@statements.query
+def stage_job_runs(job_id: int):
+    """The stage a job runs, with its run (one at most: no ordering, through the run, to build)."""
+    return PipelineStage.objects.filter(job_id=job_id, reused=False).select_related("run").order_by()[:1]
+
+
 def stage_run_by(job: Job) -> PipelineStage | None:
     """The stage this job runs (with its run), or None. Read once per job object: an attempt's
     start asks several times (its env, its directory, the sandbox's binds, its MLflow run's tags)."""
     if not hasattr(job, "_pipeline_stage"):
-        stage = PipelineStage.objects.filter(job=job, reused=False).select_related("run")
-        job._pipeline_stage = stage.order_by().first()  # one at most: no ordering (through the run) to build
+        job._pipeline_stage = stage_job_runs.first(job_id=job.pk)
     return job._pipeline_stage
 
 

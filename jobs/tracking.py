@@ -29,6 +29,7 @@ from django.dispatch import receiver
 
 from jobs.models import FINAL_JOB_STATES, Job, PipelineRun
 from jobs.signals import attempt_finished as attempt_ended
+from portal import statements
 from portal.celery import app
 
 log = logging.getLogger("hangar.tracking")
@@ -160,9 +161,7 @@ def job_env(job: Job, attempt) -> dict[str, str]:
             exp = experiment_id(job.project.slug)
             tags = {**run_tags(job, attempt), **stage_tags(job, exp)}
             run_id = create_run(exp, f"job-{job.pk} {job.name}", tags)
-            won = Job.objects.filter(pk=job.pk, mlflow_run_id="").update(
-                mlflow_experiment_id=exp, mlflow_run_id=run_id, tracking_error=""
-            )
+            won = run_recorded.update(pk=job.pk, experiment_id=exp, run_id=run_id)
             if won:
                 job.mlflow_experiment_id, job.mlflow_run_id = exp, run_id
             else:  # another rank's agent created the job's run first: use that one
@@ -178,6 +177,22 @@ def job_env(job: Job, attempt) -> dict[str, str]:
         "MLFLOW_EXPERIMENT_ID": job.mlflow_experiment_id,
         "MLFLOW_RUN_ID": job.mlflow_run_id,
     }
+
+
+@statements.update
+def run_recorded(pk: int, experiment_id: str, run_id: str):
+    """The job's MLflow run, recorded by the first of its ranks to make one."""
+    return Job.objects.filter(pk=pk, mlflow_run_id=""), {
+        "mlflow_experiment_id": experiment_id,
+        "mlflow_run_id": run_id,
+        "tracking_error": "",
+    }
+
+
+@statements.query
+def run_update_of(pk: int):
+    """What a job's run is told after an attempt's end: the job's state, its run and its cost."""
+    return Job.objects.filter(pk=pk).values_list("state", "mlflow_run_id", "cost__cost")[:1]
 
 
 def database_store():
@@ -308,7 +323,7 @@ def attempt_finished(job_id: int) -> None:
     written = None
     for _ in range(3):
         # One read: the job's state and run with its cost (JobCost, added in the finishing transaction).
-        row = Job.objects.filter(pk=job_id).values_list("state", "mlflow_run_id", "cost__cost").first()
+        row = run_update_of.first(pk=job_id)
         if row is None or not row[1] or row == written:
             return
         state, run_id, cost = row

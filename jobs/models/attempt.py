@@ -1,7 +1,8 @@
 """Attempts: one try of a job on a concrete placement, with its lease and its end."""
 
+import functools
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import models, transaction
@@ -19,7 +20,7 @@ from jobs.models.states import (
     JobState,
 )
 from jobs.signals import attempt_finished
-from portal import wakeup
+from portal import statements, wakeup
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Attempt(models.Model):
                 state=AttemptState.PREFLIGHT, **first
             ):
                 self.rank_status = first["rank_status"]
-                Job.objects.filter(pk=self.job_id, state=JobState.SCHEDULED).update(state=JobState.PREFLIGHT)
+                job_state_moved.update(pk=self.job_id, state=JobState.SCHEDULED, new_state=JobState.PREFLIGHT)
                 return True
             # Another rank of it was taken first (or it ended): read it under its lock.
             row = Attempt.objects.select_for_update().filter(pk=self.pk).values("state", "rank_status").first()
@@ -139,16 +140,13 @@ class Attempt(models.Model):
         """A rank's command started. The first one moves the attempt (and job) to running.
         `environment`: the cached environment it runs in (rank 0's), recorded in the same write."""
         now = timezone.now()
-        recorded = {"environment": environment} if environment else {}
         with transaction.atomic():
-            ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.PREFLIGHT).update(
-                state=AttemptState.RUNNING, running_at=now, pid=pid, lease_expires_at=lease_from(now), **recorded
-            )
+            ok = command_started.update(pk=self.pk, now=now, pid=pid, lease_expires_at=lease_from(now))
             if ok:
-                Job.objects.filter(pk=self.job_id, state=JobState.PREFLIGHT).update(state=JobState.RUNNING)
-            elif recorded:
-                ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).update(**recorded)
-            else:
+                job_state_moved.update(pk=self.job_id, state=JobState.PREFLIGHT, new_state=JobState.RUNNING)
+            if environment:  # in the same transaction as the start it belongs to
+                ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).update(environment=environment)
+            elif not ok:
                 ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).exists()
         return bool(ok)
 
@@ -173,13 +171,9 @@ class Attempt(models.Model):
         """End the attempt and move its job on. Refused (False) once the attempt is no longer current."""
         now = timezone.now()
         with transaction.atomic():
-            ended = Attempt.objects.filter(pk=self.pk, state__in=from_states).update(
-                state=state,
-                failure_class=failure_class,
-                reason=reason,
-                exit_code=exit_code,
-                finished_at=now,
-                lease_expires_at=None,
+            ends = attempt_ended(tuple(from_states))
+            ended = ends.update(
+                pk=self.pk, state=state, failure_class=failure_class, reason=reason, exit_code=exit_code, now=now
             )
             if not ended:
                 return False
@@ -196,20 +190,9 @@ class Attempt(models.Model):
     def _move_job_on(self, now) -> JobMoved:
         """Move the job on from this attempt's end (unless it is over already): one read of it,
         locked, with whether a cancel was asked of this attempt meanwhile."""
-        from jobs.models.pipeline import PipelineStage
-
-        row = (
-            Job.objects.select_for_update()
-            .filter(pk=self.job_id)
-            .values(
-                *("state", "retries", "max_retries", "requeues", "preemptions", "gpus_per_node", "nodes"),
-                *("project_id", "submitted_by_id", "sweep_id"),
-                # Read again: a cancel may have been asked after this object was loaded.
-                cancel_asked=Exists(Attempt.objects.filter(pk=self.pk, cancel_requested_at__isnull=False)),
-                staged=Exists(PipelineStage.objects.filter(job_id=OuterRef("pk"), reused=False)),
-            )
-            .get()
-        )
+        row = job_to_move_on.first(pk=self.job_id, attempt_id=self.pk)
+        if row is None:
+            raise Job.DoesNotExist(f"job {self.job_id} of attempt {self.pk}")
         moved = {
             "pk": self.job_id,
             "project_id": row["project_id"],
@@ -261,6 +244,59 @@ class Attempt(models.Model):
         partial = cls.objects.filter(pk__in=[pk for pk, status, ranks in rows if len(status) < len(ranks)])
         missing = f"a rank was not started by its node's agent within {settings.HANGAR_START_TIMEOUT_SECONDS:.0f}s"
         return ended + [a for a in partial if a.finish(AttemptState.LOST, FailureClass.INFRA, missing)]
+
+
+@functools.cache
+def attempt_ended(from_states: tuple[str, ...]) -> statements.Statement:
+    """The end of an attempt still in one of these states (one statement for each such set)."""
+
+    @statements.update
+    def ended(pk: int, state: str, failure_class: str, reason: str, exit_code: int | None, now: datetime):
+        return Attempt.objects.filter(pk=pk, state__in=from_states), {
+            "state": state,
+            "failure_class": failure_class,
+            "reason": reason,
+            "exit_code": exit_code,
+            "finished_at": now,
+            "lease_expires_at": None,
+        }
+
+    return ended
+
+
+@statements.update
+def job_state_moved(pk: int, state: str, new_state: str):
+    """A job moved on from one state only: the move of a job that left it meanwhile matches nothing."""
+    return Job.objects.filter(pk=pk, state=state), {"state": new_state}
+
+
+@statements.update
+def command_started(pk: int, now: datetime, pid: int, lease_expires_at: datetime):
+    """The first rank's command started: the attempt runs (once)."""
+    return Attempt.objects.filter(pk=pk, state=AttemptState.PREFLIGHT), {
+        "state": AttemptState.RUNNING,
+        "running_at": now,
+        "pid": pid,
+        "lease_expires_at": lease_expires_at,
+    }
+
+
+@statements.query
+def job_to_move_on(pk: int, attempt_id: int):
+    """The job an attempt of it ended, locked, with what moving it on reads (Attempt._move_job_on)."""
+    from jobs.models.pipeline import PipelineStage
+
+    return (
+        Job.objects.select_for_update()
+        .filter(pk=pk)
+        .values(
+            *("state", "retries", "max_retries", "requeues", "preemptions", "gpus_per_node", "nodes"),
+            *("project_id", "submitted_by_id", "sweep_id"),
+            # Read again: a cancel may have been asked after the attempt was loaded.
+            cancel_asked=Exists(Attempt.objects.filter(pk=attempt_id, cancel_requested_at__isnull=False)),
+            staged=Exists(PipelineStage.objects.filter(job_id=OuterRef("pk"), reused=False)),
+        )[:1]
+    )
 
 
 def ranks_of(placement: list[dict], node_id: int, gpu_indices: list[int]) -> list[dict]:

@@ -10,6 +10,7 @@ from jobs.costs import WASTED_LABELS, BudgetStatus, Rate, attempt_cost
 from jobs.models.attempt import Attempt, ranks_of
 from jobs.models.job import Job
 from jobs.signals import attempt_finished
+from portal import statements
 from portal.models import Project
 
 
@@ -62,8 +63,7 @@ class GpuRate(models.Model):
 
     @classmethod
     def rates_for(cls, gpu_type: str) -> list:
-        rows = cls.objects.filter(gpu_type=gpu_type).values_list("effective_from", "per_gpu_hour")
-        return [Rate(start, price) for start, price in rows]
+        return [Rate(start, price) for start, price in rates_of.rows(gpu_type=gpu_type)]
 
 
 class Budget(models.Model):
@@ -128,11 +128,7 @@ class JobCost(models.Model):
     def record_attempt(cls, attempt: Attempt, job) -> None:
         """Add a finished attempt to its job's cost and the day's roll-up (inside the finishing
         transaction). `job`: the JobMoved its end made; the attempt's own state is in memory."""
-        started_at, running_at, placement, node_id, gpu_indices, gpu_type = (
-            Attempt.objects.filter(pk=attempt.pk)
-            .values_list("started_at", "running_at", "placement", "node_id", "gpu_indices", "node__gpu_model")
-            .get()
-        )
+        started_at, running_at, placement, node_id, gpu_indices, gpu_type = attempt_priced.first(pk=attempt.pk)
         c = attempt_cost(
             gpus_of(ranks_of(placement, node_id, gpu_indices), job.gpus),
             started_at,
@@ -242,6 +238,19 @@ class CostDaily(models.Model):
             "cost": cost.cost,
         }
         add_to_row(cls, key, added, {})
+
+
+@statements.query
+def rates_of(gpu_type: str):
+    """A GPU type's rates, each with the day it took effect."""
+    return GpuRate.objects.filter(gpu_type=gpu_type).values_list("effective_from", "per_gpu_hour")
+
+
+@statements.query
+def attempt_priced(pk: int):
+    """What an attempt's price is made of: its times, its GPUs and their type."""
+    priced = ("started_at", "running_at", "placement", "node_id", "gpu_indices", "node__gpu_model")
+    return Attempt.objects.filter(pk=pk).values_list(*priced)[:1]
 
 
 @receiver(attempt_finished)
