@@ -300,9 +300,9 @@ def owner_of(path: Path) -> int | None:
 
 
 def hidden_paths(settings) -> tuple[str, ...]:
-    from portal.models import Volume
+    from portal.models import volume_paths
 
-    registered = Volume.objects.order_by().values_list("path", flat=True)  # a set: unordered (no join to projects)
+    registered = volume_paths.rows()
     return (
         str(settings.DATA_DIR),
         str(settings.HANGAR_JOB_WORKDIR),

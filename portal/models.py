@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from portal import statements
+
 
 class Role(models.TextChoices):
     VIEWER = "viewer", "Viewer"
@@ -237,6 +239,12 @@ class Volume(models.Model):
     def allows(self, role: str | None, mode: str) -> bool:
         needed = self.write_role if mode == VolumeMode.READ_WRITE else self.read_role
         return role is not None and ROLE_RANK[role] >= ROLE_RANK[needed]
+
+
+@statements.query
+def volume_paths():
+    """Every registered volume's path (a set: unordered, so no join to the projects)."""
+    return Volume.objects.order_by().values_list("path", flat=True)
 
 
 class AuditEvent(models.Model):

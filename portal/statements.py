@@ -33,7 +33,8 @@ import threading
 import types
 import typing
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import QuerySet
@@ -63,6 +64,14 @@ def _datetime(index: int, round_: int) -> datetime:
     return datetime(2990 + round_, 1, 1, tzinfo=UTC) + timedelta(microseconds=index + 1)
 
 
+def _decimal(index: int, round_: int) -> Decimal:
+    return Decimal(f"1900{round_}{index:04d}.0625")
+
+
+def _date(index: int, round_: int) -> date:
+    return date(2990 + round_, 1, 1) + timedelta(days=index)
+
+
 def _as_is(value, connection):
     return value
 
@@ -71,15 +80,24 @@ def _adapt_datetime(value, connection):
     return connection.ops.adapt_datetimefield_value(value)
 
 
+def _adapt_date(value, connection):
+    return connection.ops.adapt_datefield_value(value)
+
+
 # A value's type -> (its stand-ins, how Django adapts it for the database). The fields
 # of these types (IntegerField and its kin, CharField, TextField, FloatField,
-# DateTimeField) adapt a value of that type this way, in a filter as in an update.
+# DecimalField, DateTimeField, DateField) adapt a value of that type this way, in a
+# filter as in an update (the first compile checks it, for each statement).
 KINDS: dict[type, tuple[typing.Callable[[int, int], object], typing.Callable]] = {
     int: (_int, _as_is),
     str: (_str, _as_is),
     float: (_float, _as_is),
+    Decimal: (_decimal, _as_is),
     datetime: (_datetime, _adapt_datetime),
+    date: (_date, _adapt_date),
 }
+# Not taken for these types although instances of them: True for 1, a datetime for a day.
+REFUSED = {int: bool, date: datetime}
 
 
 @dataclass(frozen=True)
@@ -216,9 +234,10 @@ class Statement:
             if value is None and index in self.optional:
                 params[position] = None
                 continue
-            if not isinstance(value, self.kinds[index]) or isinstance(value, bool) and self.kinds[index] is int:
-                raise TypeError(f"{self!r}: {self.names[index]} must be {self.kinds[index].__name__}, not {value!r}")
-            value = KINDS[self.kinds[index]][1](value, connection)
+            kind = self.kinds[index]
+            if not isinstance(value, kind) or isinstance(value, REFUSED.get(kind, ())):
+                raise TypeError(f"{self!r}: {self.names[index]} must be {kind.__name__}, not {value!r}")
+            value = KINDS[kind][1](value, connection)
             params[position] = value if wrap is None else wrap(value)
         if compiled.locks and connection.features.has_select_for_update and connection.get_autocommit():
             raise TransactionManagementError("select_for_update cannot be used outside of a transaction.")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import transaction
@@ -116,6 +117,42 @@ def test_an_update_writes_its_values_and_counts_the_rows_it_matched(two_jobs):
     Attempt.objects.filter(pk=attempts[2].pk).update(exit_code=5)
     assert end.update(pk=attempts[2].pk, now=now, reason="lost", exit_code=None, lease=None) == 1  # may be None
     assert Attempt.objects.values_list("exit_code", "reason").get(pk=attempts[2].pk) == (None, "lost")
+
+
+def add_to_day(day, project, user, cost: Decimal, **other) -> int:
+    from jobs.models.cost import day_cost_added
+
+    values = {
+        "day": day,
+        "project_id": project.pk,
+        "user_id": user.pk,
+        "gpu_type": "H100",
+        "label": "succeeded",
+        "attempts": 1,
+        "gpu_seconds": 2.5,
+        "preflight_cost": Decimal("0.0001"),
+        "running_cost": cost,
+        "cost": cost + Decimal("0.0001"),
+    }
+    return day_cost_added.update(**{**values, **other})
+
+
+def test_a_day_and_amounts_of_money_are_adapted_as_django_adapts_them(two_jobs):
+    from jobs.models import CostDaily
+
+    jobs, _ = two_jobs
+    project, user = jobs[0].project, jobs[0].submitted_by
+    today = timezone.now().date()
+    CostDaily.objects.create(day=today, project=project, user=user, gpu_type="H100", label="succeeded")
+    assert add_to_day(today, project, user, Decimal("1.2345")) == 1
+    assert add_to_day(today, project, user, Decimal("0.0005")) == 1
+    assert add_to_day(today - timedelta(days=1), project, user, Decimal("1")) == 0  # no row for that day
+    row = CostDaily.objects.values("attempts", "gpu_seconds", "running_cost", "cost").get(day=today)
+    assert row == {"attempts": 2, "gpu_seconds": 5.0, "running_cost": Decimal("1.2350"), "cost": Decimal("1.2352")}
+    with pytest.raises(TypeError, match="day must be date"):
+        add_to_day(timezone.now(), project, user, Decimal("1"))  # a datetime is not a day
+    with pytest.raises(TypeError, match="running_cost must be Decimal"):
+        add_to_day(today, project, user, Decimal("1"), running_cost=1.5)
 
 
 def test_none_is_refused_in_a_condition_where_it_would_never_match(two_jobs):
@@ -244,6 +281,13 @@ PG_SCRIPT = textwrap.dedent(
     from django.db import transaction
     with transaction.atomic():
         assert t.locked.rows(pk=b.pk) == ["failed"]
+    from decimal import Decimal
+    from jobs.models import CostDaily
+    today = timezone.now().date()
+    CostDaily.objects.create(day=today, project=project, user=user, gpu_type="H100", label="succeeded")
+    assert t.add_to_day(today, project, user, Decimal("1.2345")) == 1
+    assert t.add_to_day(today - timezone.timedelta(days=1), project, user, Decimal("1")) == 0
+    assert CostDaily.objects.values_list("attempts", "cost").get(day=today) == (1, Decimal("1.2346"))
     print("statements on postgresql: ok")
     """
 )

@@ -1,5 +1,8 @@
 """GPU-hour rates, budgets and what jobs cost: per job, and rolled up per day."""
 
+from datetime import date
+from decimal import Decimal
+
 from django.conf import settings
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q
@@ -140,7 +143,7 @@ class JobCost(models.Model):
             attempt.failure_class,
         )
         keys = {"project_id": job.project_id, "user_id": job.submitted_by_id, "gpu_type": gpu_type}
-        wasted = c.cost if c.label in WASTED_LABELS else 0
+        wasted = c.cost if c.label in WASTED_LABELS else Decimal(0)
         added = {
             "attempts": 1,
             "gpu_seconds": c.gpu_seconds,
@@ -151,7 +154,14 @@ class JobCost(models.Model):
         }
         # No other writer: a job has one live attempt, whose end this is. Its first has no row yet.
         add_to_row(
-            cls, {"job_id": job.pk}, added, keys, also_set={"gpu_type": gpu_type}, racing=False, new=attempt.number == 1
+            cls,
+            {"job_id": job.pk},
+            added,
+            keys,
+            also_set={"gpu_type": gpu_type},
+            racing=False,
+            new=attempt.number == 1,
+            adds=job_cost_added,
         )
         day = (attempt.finished_at or timezone.now()).date()
         CostDaily.add(day=day, label=c.label, cost=c, **keys)
@@ -165,13 +175,20 @@ def add_to_row(
     also_set: dict | None = None,
     racing: bool = True,
     new: bool = False,
+    adds: statements.Statement | None = None,
 ) -> None:
     """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
     none: one UPDATE where the row exists, as it does for all but a job's or a day's first
     attempt; the INSERT first when the caller knows there is none yet (`new`). Two writers
-    creating the same row at once (`racing`): the one that loses adds to the other's."""
-    increments = {field: models.F(field) + value for field, value in added.items()}
-    if not new and model.objects.filter(**key).update(**increments, **(also_set or {})):
+    creating the same row at once (`racing`): the one that loses adds to the other's.
+    `adds`: the UPDATE as a compiled statement of the key's, added and set values."""
+
+    def add() -> int:
+        if adds is not None:
+            return adds.update(**key, **added, **(also_set or {}))
+        return model.objects.filter(**key).update(**_increments(**added), **(also_set or {}))
+
+    if not new and add():
         return
     if not racing:
         model.objects.create(**key, **create_with, **added)
@@ -180,7 +197,7 @@ def add_to_row(
         with transaction.atomic():  # a savepoint: a lost race must not abort the finishing transaction
             model.objects.create(**key, **create_with, **added)
     except IntegrityError:
-        model.objects.filter(**key).update(**increments, **(also_set or {}))
+        add()
 
 
 def gpus_of(ranks: list[dict], job_gpus: int) -> int:
@@ -237,7 +254,55 @@ class CostDaily(models.Model):
             "running_cost": cost.running_cost,
             "cost": cost.cost,
         }
-        add_to_row(cls, key, added, {})
+        add_to_row(cls, key, added, {}, adds=day_cost_added)
+
+
+def _increments(**added) -> dict:
+    return {field: models.F(field) + value for field, value in added.items()}
+
+
+@statements.update
+def job_cost_added(
+    job_id: int,
+    gpu_type: str,
+    attempts: int,
+    gpu_seconds: float,
+    preflight_cost: Decimal,
+    running_cost: Decimal,
+    cost: Decimal,
+    wasted_cost: Decimal,
+):
+    """An attempt added to its job's cost."""
+    added = _increments(
+        attempts=attempts,
+        gpu_seconds=gpu_seconds,
+        preflight_cost=preflight_cost,
+        running_cost=running_cost,
+        cost=cost,
+        wasted_cost=wasted_cost,
+    )
+    return JobCost.objects.filter(job_id=job_id), {**added, "gpu_type": gpu_type}
+
+
+@statements.update
+def day_cost_added(
+    day: date,
+    project_id: int,
+    user_id: int,
+    gpu_type: str,
+    label: str,
+    attempts: int,
+    gpu_seconds: float,
+    preflight_cost: Decimal,
+    running_cost: Decimal,
+    cost: Decimal,
+):
+    """An attempt added to its day's roll-up."""
+    key = {"day": day, "project_id": project_id, "user_id": user_id, "gpu_type": gpu_type, "label": label}
+    added = _increments(
+        attempts=attempts, gpu_seconds=gpu_seconds, preflight_cost=preflight_cost, running_cost=running_cost, cost=cost
+    )
+    return CostDaily.objects.filter(**key), added
 
 
 @statements.query
