@@ -17,10 +17,12 @@ Then the same with `echo` jobs (duration ~0), reported as jobs/s.
 
 Embedded default unless DATABASE_URL / CELERY_BROKER_URL / REDIS_URL are set.
 Last line: mode=... jobs=... gpus=... makespan_s=... efficiency=... handoff_p50_ms=... echo_jobs_per_s=...
+isolation=... (sandbox: as root with bubblewrap, as the figures in the README were taken).
 """
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -215,6 +217,14 @@ def report(label: str, result: dict) -> None:
         print(f"  run again {times}x after an attempt {why}")
 
 
+def isolation(data_dir: str, agent: str) -> str:
+    """How the agent isolates jobs, as it said at its start: `sandbox`, `uid` (bubblewrap
+    missing: no namespaces, so a start costs less) or `none` (not root)."""
+    log = (Path(data_dir) / f"agent-{agent}.log").read_text(errors="replace")
+    found = re.search(r"isolation: (\w+)", log)
+    return found.group(1) if found else "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 jobs on 2 agents x 4 GPUs")
@@ -251,6 +261,8 @@ def main() -> None:
         for index in range(agents):
             stack.start_agent(f"tp-{index}", gpus=per_agent)
         measure(stack, min(gpus, 8), ["true"], 0.0, gpus)  # warm up: imports, connections, MLflow's store
+        isolated = isolation(data_dir, "tp-0")
+        print(f"jobs' isolation: {isolated}" + (" (see agent/sandbox.py)" if isolated != "sandbox" else ""))
         sleeping = measure(stack, count, ["sleep", f"{args.duration:g}"], args.duration, gpus)
         report(f"{count} x sleep {args.duration:g} on {agents} x {per_agent} GPUs", sleeping)
         echo = measure(stack, echoes, ["echo", "hi"], 0.0, gpus)
@@ -260,7 +272,7 @@ def main() -> None:
         f"mode={mode} jobs={count} gpus={gpus} makespan_s={sleeping['makespan_s']:.1f} "
         f"efficiency={sleeping['efficiency']:.2f} handoff_p50_ms={percentile(sleeping['gaps'], 50):.0f} "
         f"handoff_p99_ms={percentile(sleeping['gaps'], 99):.0f} start_p50_ms={percentile(sleeping['starts'], 50):.0f} "
-        f"echo_jobs_per_s={echo['jobs_per_s']:.1f}"
+        f"echo_jobs_per_s={echo['jobs_per_s']:.1f} isolation={isolated}"
     )
 
 
