@@ -132,7 +132,7 @@ class Attempt(models.Model):
             update = {"rank_status": self.rank_status, "lease_expires_at": lease_from(now)}
             if row["state"] == AttemptState.SCHEDULED:
                 update.update(state=AttemptState.PREFLIGHT, started_at=now)
-                Job.objects.filter(pk=self.job_id, state=JobState.SCHEDULED).update(state=JobState.PREFLIGHT)
+                job_state_moved.update(pk=self.job_id, state=JobState.SCHEDULED, new_state=JobState.PREFLIGHT)
             Attempt.objects.filter(pk=self.pk).update(**update)
         return True
 
