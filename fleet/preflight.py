@@ -19,6 +19,7 @@ from django.utils import timezone
 from fleet import signals
 from fleet.gpus import GpuSample
 from fleet.models import HealthCheck, Node
+from portal import statements
 from portal.models import AuditEvent
 
 
@@ -140,19 +141,15 @@ def stored_context(node: Node, gpu_indices: list[int], gpu_type: str) -> Context
     return ctx
 
 
+CHECK_COLUMNS = ("node", "attempt", "suite", "name", "passed", "duration_ms", "evidence", "at")
+
+
 def record(node: Node, results: list[Result], suite: str, attempt=None) -> None:
-    HealthCheck.objects.bulk_create(
-        HealthCheck(
-            node=node,
-            attempt=attempt,
-            suite=suite,
-            name=r.name,
-            passed=r.passed,
-            duration_ms=r.duration_ms,
-            evidence=r.evidence,
-        )
-        for r in results
-    )
+    """One insert for the whole suite (every short job's preflight writes it)."""
+    now = timezone.now()
+    attempt_id = attempt.pk if attempt is not None else None
+    rows = [(node.pk, attempt_id, suite, r.name, r.passed, r.duration_ms, r.evidence, now) for r in results]
+    statements.insert(HealthCheck, CHECK_COLUMNS, rows)
 
 
 def burn_in(node: Node) -> tuple[bool, list[Result]]:

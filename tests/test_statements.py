@@ -13,6 +13,7 @@ from django.db import transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
+from fleet.models import HealthCheck
 from jobs.models import Attempt, Job
 from portal import statements
 from portal.statements import StatementError
@@ -243,6 +244,44 @@ def test_a_value_used_nowhere_is_refused_at_its_first_run(two_jobs):
         ignores.rows(pk=1, state="running")
 
 
+CHECK_COLUMNS = ("node", "attempt", "suite", "name", "passed", "duration_ms", "evidence", "at")
+CHECK_ATTNAMES = [f"{c}_id" if c in ("node", "attempt") else c for c in CHECK_COLUMNS]
+
+
+def checks(node, attempt, count: int = 2) -> list[tuple]:
+    at = timezone.now()
+    return [
+        (node.pk, attempt and attempt.pk, "preflight", f"c{n}", n % 2 == 0, n + 0.25, f"saw {n}", at)
+        for n in range(count)
+    ]
+
+
+def stored_checks(node) -> list[tuple]:
+    return list(HealthCheck.objects.filter(node=node).order_by("id").values_list(*CHECK_ATTNAMES))
+
+
+def insert_writes_what_bulk_create_writes(node, attempt) -> None:
+    rows = checks(node, attempt) + checks(node, None)
+    statements.insert(HealthCheck, CHECK_COLUMNS, rows)
+    mine = stored_checks(node)
+    HealthCheck.objects.filter(node=node).delete()
+    HealthCheck.objects.bulk_create(HealthCheck(**dict(zip(CHECK_ATTNAMES, row, strict=True))) for row in rows)
+    assert mine == stored_checks(node) == rows
+
+
+def test_insert_writes_the_rows_bulk_create_writes(two_jobs):
+    _, attempts = two_jobs
+    insert_writes_what_bulk_create_writes(attempts[0].node, attempts[0])
+
+
+def test_insert_splits_rows_beyond_the_databases_parameter_limit(two_jobs):
+    _, attempts = two_jobs
+    node = attempts[0].node
+    rows = checks(node, None, count=1000)  # 8,000 values: SQLite takes 999 per statement
+    statements.insert(HealthCheck, CHECK_COLUMNS, rows)
+    assert stored_checks(node) == rows
+
+
 PG_SCRIPT = textwrap.dedent(
     """
     import django
@@ -288,6 +327,7 @@ PG_SCRIPT = textwrap.dedent(
     assert t.add_to_day(today, project, user, Decimal("1.2345")) == 1
     assert t.add_to_day(today - timezone.timedelta(days=1), project, user, Decimal("1")) == 0
     assert CostDaily.objects.values_list("attempts", "cost").get(day=today) == (1, Decimal("1.2346"))
+    t.insert_writes_what_bulk_create_writes(node, a)
     print("statements on postgresql: ok")
     """
 )
