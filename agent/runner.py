@@ -453,7 +453,10 @@ class Runner:
             start_new_session=True,  # its own process group, so cancel reaches every child
             **spawn,
         )
-        self.reaper = start_reaper(proc.pid)
+        if self.launch is None or self.launch.box is None:
+            # In a sandbox no reaper is needed: its processes live in a PID namespace of their
+            # own, which ends with bwrap, and bwrap dies with this thread (--die-with-parent).
+            self.reaper = start_reaper(proc.pid)
         lines = MaskedLines(self.lines, list(self.job.secret_env.values()))
         self.writer.read_from([(proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)], lines)
         return proc

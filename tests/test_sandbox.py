@@ -229,6 +229,41 @@ def test_the_job_leader_keeps_its_parent_death_signal_and_memory_limit_after_the
     assert proc.wait(timeout=10) == -9
 
 
+@as_root
+def test_every_process_of_a_sandbox_dies_with_the_thread_that_started_it(public_dir):
+    """What lets a sandboxed job run without a reaper (agent/runner.py): a child in a session
+    of its own and one that ignores SIGTERM and SIGHUP end with the sandbox, whose PID
+    namespace ends when bwrap dies with its parent thread."""
+    uid = 200013
+    workdir = public_dir / "job"
+    workdir.mkdir(mode=0o700)
+    os.chown(workdir, uid, uid)
+    found = tools()
+    sandbox = Sandbox(uid=uid, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv, env=found.env)
+    script = "setsid sleep 301 & (trap '' TERM HUP; exec sleep 302) & sleep 0.2; echo up; exec sleep 303"
+    proc, first = started_by_a_thread_that_ends(leader_argv(bwrap_argv(sandbox, [SH, "-c", script]), {}, 0, found))
+    assert first == "up"
+    assert proc.wait(timeout=10) == -9
+    deadline = time.monotonic() + 10  # a SIGKILLed process may wait to be scheduled on a loaded machine
+    while processes_of_uid(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of_uid(uid) == []
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Live processes (not zombies) of a uid."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        uids = next((line.split()[1:] for line in text.splitlines() if line.startswith("Uid:")), [])
+        if str(uid) in uids and "\nState:\tZ" not in text:
+            found.append(int(status.parent.name))
+    return found
+
+
 # --- real jobs, real uids, real bubblewrap ------------------------------------------------
 
 SH = "/bin/sh"
