@@ -28,6 +28,7 @@ What a statement may take, so that this stays exact:
   stand-in of exactly one value, adapted. Anything else is a constant.
 """
 
+import contextlib
 import inspect
 import threading
 import types
@@ -299,7 +300,9 @@ def insert(model, columns: tuple[str, ...], rows: list[tuple], using: str = DEFA
     into = f"INSERT INTO {quote(opts.db_table)} ({', '.join(quote(f.column) for f in fields)}) VALUES "
     one = "(" + ", ".join(["%s"] * len(fields)) + ")"
     size = max(1, connection.ops.bulk_batch_size(fields, rows))
-    with transaction.mark_for_rollback_on_error(using=using), connection.cursor() as cursor:
+    # More rows than one statement takes: all of them or none, as bulk_create.
+    whole = transaction.atomic(using=using, savepoint=False) if len(rows) > size else contextlib.nullcontext()
+    with whole, transaction.mark_for_rollback_on_error(using=using), connection.cursor() as cursor:
         for start in range(0, len(rows), size):
             batch = rows[start : start + size]
             params = [

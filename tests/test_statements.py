@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 import pytest
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -282,6 +282,17 @@ def test_insert_splits_rows_beyond_the_databases_parameter_limit(two_jobs):
     assert stored_checks(node) == rows
 
 
+@pytest.mark.django_db(transaction=True)
+def test_rows_split_across_statements_are_stored_all_or_none(two_jobs):
+    _, attempts = two_jobs
+    node = attempts[0].node
+    rows = checks(node, None, count=1000)
+    rows[-1] = (*rows[-1][:3], None, *rows[-1][4:])  # no name: the last statement fails
+    with pytest.raises(IntegrityError):
+        statements.insert(HealthCheck, CHECK_COLUMNS, rows)
+    assert stored_checks(node) == []
+
+
 PG_SCRIPT = textwrap.dedent(
     """
     import django
@@ -317,7 +328,7 @@ PG_SCRIPT = textwrap.dedent(
         raise AssertionError("a locking read outside a transaction was not refused")
     except t.TransactionManagementError:
         pass
-    from django.db import transaction
+    from django.db import IntegrityError, transaction
     with transaction.atomic():
         assert t.locked.rows(pk=b.pk) == ["failed"]
     from decimal import Decimal

@@ -82,7 +82,7 @@ def writes(query: str) -> bool:
 CONVERTED_QUERY_CHARS = 8192
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=512)
 def qmark_style(query: str) -> str:
     """Django's "format" placeholders (%s) as SQLite's qmark ones (?), as Django's wrapper
     rewrites them. A regular expression over the whole text on every run: ~80 us for the
