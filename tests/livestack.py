@@ -96,7 +96,7 @@ class LiveStack:
         )
         return done.stdout.strip()
 
-    def start(self, timeout: float = 90) -> "LiveStack":
+    def start(self, timeout: float = 150) -> "LiveStack":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
         for _ in range(3):
@@ -143,13 +143,16 @@ class LiveStack:
         return f"running at http://127.0.0.1:{self.port}/" in self.output() and self._port_open()
 
     def _wait(self, ready, deadline: float, what: str) -> None:
-        while time.monotonic() < deadline:
+        """Until `ready()` or the deadline; asked at least once, also when an earlier step of a
+        start on a loaded machine used up the deadline (the node was ready, never asked)."""
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`manage.py up` exited with {self.proc.returncode}:\n{self.output()}")
             if ready():
                 return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"timed out waiting for {what}:\n{self.output()}")
             time.sleep(0.2)
-        raise RuntimeError(f"timed out waiting for {what}:\n{self.output()}")
 
     def _port_open(self) -> bool:
         try:
