@@ -25,6 +25,7 @@ from websockets.sync.client import connect
 
 from tests.factories import services_database
 from tests.livestack import LiveStack
+from tests.processes import alive, processes_of
 
 pytestmark = pytest.mark.e2e
 
@@ -272,26 +273,6 @@ KILLED_ONCE = """
             time.sleep(0.2)
     print("done on", os.environ["HANGAR_NODE"], flush=True)
 """
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper that this container may lack."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
-
-
-def processes_of(uid: int) -> list[int]:
-    pids = []
-    for entry in os.scandir("/proc"):
-        try:
-            if entry.name.isdigit() and entry.stat().st_uid == uid:
-                pids.append(int(entry.name))
-        except OSError:
-            pass
-    return pids
 
 
 def test_drill_1_a_sigkilled_agents_job_reruns_once_elsewhere_and_leaves_no_orphan(stack):

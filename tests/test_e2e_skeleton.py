@@ -17,6 +17,7 @@ from websockets.sync.client import connect
 
 from tests.factories import services_database
 from tests.livestack import LiveStack
+from tests.processes import alive
 
 pytestmark = pytest.mark.e2e
 
@@ -157,15 +158,6 @@ def test_unauthenticated_websocket_is_refused(stack):
         with connect(f"{stack.ws_url}/ws/jobs/{job['id']}/logs/", open_timeout=10) as ws:
             ws.recv(timeout=10)
     assert refused.value.rcvd.code == 4401
-
-
-def alive(pid: int) -> bool:
-    """Running, not merely a zombie waiting for its parent to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_until_gone(pids: list[int], timeout: float) -> None:

@@ -34,6 +34,7 @@ from jobs import scheduler
 from jobs.models import AttemptState, Environment, EnvironmentKind, Job, LogLine
 from portal.models import Volume
 from tests.factories import api_client, make_job, make_node
+from tests.processes import alive, processes_of
 
 as_root = pytest.mark.skipif(
     os.getuid() != 0 or not shutil.which("bwrap"), reason="a sandbox needs the agent to run as root, and bubblewrap"
@@ -245,23 +246,9 @@ def test_every_process_of_a_sandbox_dies_with_the_thread_that_started_it(public_
     assert first == "up"
     assert proc.wait(timeout=10) == -9
     deadline = time.monotonic() + 10  # a SIGKILLed process may wait to be scheduled on a loaded machine
-    while processes_of_uid(uid) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in processes_of(uid)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert processes_of_uid(uid) == []
-
-
-def processes_of_uid(uid: int) -> list[int]:
-    """Live processes (not zombies) of a uid."""
-    found = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            text = status.read_text()
-        except OSError:
-            continue
-        uids = next((line.split()[1:] for line in text.splitlines() if line.startswith("Uid:")), [])
-        if str(uid) in uids and "\nState:\tZ" not in text:
-            found.append(int(status.parent.name))
-    return found
+    assert [pid for pid in processes_of(uid) if alive(pid)] == []
 
 
 # --- real jobs, real uids, real bubblewrap ------------------------------------------------

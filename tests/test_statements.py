@@ -14,6 +14,7 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from fleet.models import HealthCheck
+from fleet.preflight import CHECK_COLUMNS
 from jobs.models import Attempt, Job
 from portal import statements
 from portal.statements import StatementError
@@ -244,7 +245,6 @@ def test_a_value_used_nowhere_is_refused_at_its_first_run(two_jobs):
         ignores.rows(pk=1, state="running")
 
 
-CHECK_COLUMNS = ("node", "attempt", "suite", "name", "passed", "duration_ms", "evidence", "at")
 CHECK_ATTNAMES = [f"{c}_id" if c in ("node", "attempt") else c for c in CHECK_COLUMNS]
 
 
@@ -328,7 +328,7 @@ PG_SCRIPT = textwrap.dedent(
         raise AssertionError("a locking read outside a transaction was not refused")
     except t.TransactionManagementError:
         pass
-    from django.db import IntegrityError, transaction
+    from django.db import transaction
     with transaction.atomic():
         assert t.locked.rows(pk=b.pk) == ["failed"]
     from decimal import Decimal
