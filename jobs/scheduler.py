@@ -2,10 +2,15 @@
 and apply the decision under row locks, dispatching after commit.
 
 Two passes never hand out one GPU twice: a pass locks every schedulable node
-row for its whole transaction (PostgreSQL: SELECT ... FOR UPDATE; SQLite: the
-IMMEDIATE transaction is the write lock), reads what live attempts hold only
+row for its whole transaction (PostgreSQL: SELECT ... FOR NO KEY UPDATE; SQLite:
+the IMMEDIATE transaction is the write lock), reads what live attempts hold only
 after taking the lock, and a job leaves `queued` by a conditional update (the
 queue itself is read before the lock).
+
+NO KEY UPDATE, not UPDATE: it still excludes another pass, a cordon and a delete,
+but not the KEY SHARE lock every insert's foreign-key check takes on the row it
+references, so agents' log lines, health checks and events naming a node or a
+job are not held up for the length of a pass (tests/test_sched_race.py).
 """
 
 import logging
@@ -245,7 +250,7 @@ def _schedule_pass() -> list[Attempt]:
     # write turn: reading a long queue in it kept every agent's write waiting.)
     jobs, projects = queued_jobs(), project_limits()
     with transaction.atomic():
-        nodes = list(Node.objects.schedulable().select_for_update().order_by("pk"))
+        nodes = list(Node.objects.schedulable().select_for_update(no_key=True).order_by("pk"))
         if not nodes:
             return []
         running = running_attempts()
@@ -276,7 +281,7 @@ def start_attempts(placements: list[Placement], nodes: dict[int, Node]) -> list[
 
 def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:
     ids = [p.job_id for p in placements]
-    queued = Job.objects.select_for_update().filter(pk__in=ids, state=JobState.QUEUED)
+    queued = Job.objects.select_for_update(no_key=True).filter(pk__in=ids, state=JobState.QUEUED)
     jobs = {pk: queued_at for pk, queued_at in queued.values_list("pk", "queued_at")}
     # Only jobs still queued move on: one cancelled meanwhile is left alone.
     Job.objects.filter(pk__in=list(jobs), state=JobState.QUEUED).update(state=JobState.SCHEDULED)

@@ -1,11 +1,13 @@
 """Scheduler processes racing on one database, for tests/test_sched_race.py:
 `setup` fills a fresh database, `race START` runs passes from wall-clock START
-(two of them at once), `check` reports the GPUs live attempts hold. Each prints JSON."""
+(two of them at once), `check` reports the GPUs live attempts hold, `locks` times
+rows written beside a pass that holds its locks. Each prints JSON."""
 
 import json
 import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,11 +20,12 @@ django.setup()
 
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.core.management import call_command  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
-from fleet.models import Node  # noqa: E402
+from fleet.models import HealthEvent, Node  # noqa: E402
 from jobs import scheduler  # noqa: E402
-from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job  # noqa: E402
+from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobEvent  # noqa: E402
 from portal import wakeup  # noqa: E402
 from portal.models import Project  # noqa: E402
 
@@ -80,10 +83,62 @@ def check() -> None:
     print(json.dumps({"held": len(held), "distinct": len(set(held))}))
 
 
+def locks() -> None:
+    """Hold one pass inside its transaction, after it placed jobs (its node and job locks
+    taken), and meanwhile write, on another connection, what agents write all the time:
+    rows that reference a node and a job the pass locked. Their foreign-key checks take a
+    KEY SHARE lock on the referenced row, which a FOR UPDATE lock blocks and a FOR NO KEY
+    UPDATE lock does not. Reports each write's wait, or its error under a 2 s lock_timeout."""
+    scheduler.dispatch = lambda *args: None
+    wakeup.request_pass = lambda: None
+    held, release = threading.Event(), threading.Event()
+    placed_jobs: list[int] = []
+    start_attempts = scheduler.start_attempts
+
+    def placing(placements, nodes):
+        placed = start_attempts(placements, nodes)
+        placed_jobs.extend(a.job_id for a in placed)
+        held.set()  # its node and job locks are taken: hold them here, uncommitted
+        release.wait(30)
+        return placed
+
+    def one_pass():
+        try:
+            scheduler.schedule_pass()
+        finally:
+            connection.close()
+
+    scheduler.start_attempts = placing
+    passer = threading.Thread(target=one_pass)
+    passer.start()
+    assert held.wait(30) and placed_jobs, "the pass placed nothing"
+    node = Node.objects.order_by("pk").first()
+    job = placed_jobs[0]
+    writes = {}
+    for name, write in [
+        ("health_event", lambda: HealthEvent.objects.create(node=node, kind="xid", severity="info", message="m")),
+        ("job_event", lambda: JobEvent.objects.create(job_id=job, kind="note", message="m")),
+    ]:
+        started = time.monotonic()
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute("SET LOCAL lock_timeout = '2s'")
+                write()
+            writes[name] = {"waited_ms": round((time.monotonic() - started) * 1000)}
+        except Exception as exc:  # reported: the test names the write that waited
+            writes[name] = {"error": repr(exc)[:300]}
+    release.set()
+    passer.join(30)
+    print(json.dumps({"placed_job": job, "writes": writes}))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "setup":
         setup(nodes=20, jobs=400)
     elif sys.argv[1] == "race":
         race(float(sys.argv[2]))
+    elif sys.argv[1] == "locks":
+        locks()
     else:
         check()

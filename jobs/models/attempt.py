@@ -125,7 +125,9 @@ class Attempt(models.Model):
                 job_state_moved.update(pk=self.job_id, state=JobState.SCHEDULED, new_state=JobState.PREFLIGHT)
                 return True
             # Another rank of it was taken first (or it ended): read it under its lock.
-            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("state", "rank_status").first()
+            row = (
+                Attempt.objects.select_for_update(no_key=True).filter(pk=self.pk).values("state", "rank_status").first()
+            )
             if row is None or row["state"] not in ACTIVE_ATTEMPT_STATES or str(rank) in row["rank_status"]:
                 return False
             self.rank_status = {**row["rank_status"], str(rank): None}
@@ -153,7 +155,7 @@ class Attempt(models.Model):
     def rank_succeeded(self, rank: int) -> bool:
         """Record that one rank exited 0; True when every rank has, so the attempt succeeded."""
         with transaction.atomic():
-            row = Attempt.objects.select_for_update().filter(pk=self.pk).values("rank_status").first()
+            row = Attempt.objects.select_for_update(no_key=True).filter(pk=self.pk).values("rank_status").first()
             if row is None:
                 return False
             self.rank_status = {**row["rank_status"], str(rank): 0}
@@ -287,7 +289,7 @@ def job_to_move_on(pk: int, attempt_id: int):
     from jobs.models.pipeline import PipelineStage
 
     return (
-        Job.objects.select_for_update()
+        Job.objects.select_for_update(no_key=True)
         .filter(pk=pk)
         .values(
             *("state", "retries", "max_retries", "requeues", "preemptions", "gpus_per_node", "nodes"),
