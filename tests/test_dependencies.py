@@ -135,3 +135,12 @@ def test_asking_a_started_job_to_stop_does_not_announce_that_it_ended(owner, pro
     finally:
         job_ended.disconnect(listener)
     assert heard == [queued.pk]
+
+
+def test_a_projects_blocked_jobs_are_found_by_index_not_by_reading_its_history(owner, project):
+    """Every job that ends reads its project's blocked jobs: that read must not grow with
+    the project's history (it read every job of the project on PostgreSQL)."""
+    for _ in range(3):
+        make_job(project, owner, state=JobState.SUCCEEDED)
+    plan = dependencies.blocked_in.build(project_id=project.pk).explain()
+    assert "job_state_project" in plan, plan
