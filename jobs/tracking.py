@@ -15,6 +15,7 @@ Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
 """
 
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -110,6 +111,9 @@ def _warm() -> None:
         client()
     except Exception as exc:  # the first job records the reason on itself
         log.warning("MLflow at %s is not available yet: %s", settings.MLFLOW_TRACKING_URI, exc)
+        return
+    gc.collect()
+    gc.freeze()  # MLflow and SQLAlchemy, loaded for good (portal/celery.py: freeze_what_is_loaded)
 
 
 def experiment_id(project_slug: str) -> str:
