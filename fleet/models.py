@@ -29,10 +29,15 @@ OFFLINE_FROM = (NodeState.READY, NodeState.UNHEALTHY)
 
 
 class NodeQuerySet(models.QuerySet):
-    def schedulable(self) -> "NodeQuerySet":
-        """Ready nodes whose agent was heard from recently: the only ones work goes to."""
-        fresh = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
-        return self.filter(state=NodeState.READY, last_heartbeat_at__gte=fresh)
+    def schedulable(self, heard_since: datetime | None = None) -> "NodeQuerySet":
+        """Ready nodes whose agent was heard from recently (since `heard_since`, by default
+        heard_since_now()): the only ones work goes to."""
+        return self.filter(state=NodeState.READY, last_heartbeat_at__gte=heard_since or heard_since_now())
+
+
+def heard_since_now() -> datetime:
+    """How recently a node's agent must have been heard from for work to go to it."""
+    return timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
 
 
 class Node(models.Model):

@@ -13,18 +13,19 @@ references, so agents' log lines, health checks and events naming a node or a
 job are not held up for the length of a pass (tests/test_sched_race.py).
 """
 
+import functools
 import logging
 import os
 import time
 from collections import defaultdict
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, IntegerField, Max, Value, When
 from django.utils import timezone
 
-from fleet.models import CachedEnvironment, Node
+from fleet.models import CachedEnvironment, Node, heard_since_now
 from jobs.metrics import SCHEDULER_PASS
 from jobs.models import (
     ACTIVE_ATTEMPT_STATES,
@@ -54,7 +55,7 @@ from jobs.policy import (  # noqa: F401  (place and friends are this module's pu
     place,
     plan,
 )
-from portal import wakeup
+from portal import statements, wakeup
 from portal.celery import app
 from portal.models import Project
 
@@ -71,8 +72,48 @@ last_pass_started = 0.0  # wall clock: when the last completed pass of this proc
 # --- loading plain data -------------------------------------------------------
 
 
+# The pass's own reads are statements compiled once (portal/statements.py): building and
+# compiling their SQL anew took about a quarter of a pass's CPU (bench/throughput.py).
+
+
+@statements.query
+def any_schedulable_node(heard_since: datetime):
+    return Node.objects.schedulable(heard_since).values_list("pk", flat=True)[:1]
+
+
+@statements.query
+def schedulable_nodes_locked(heard_since: datetime):
+    """Locked in id order, by every pass alike."""
+    return Node.objects.schedulable(heard_since).select_for_update(no_key=True).order_by("pk")
+
+
+@statements.query
+def environments_everywhere():
+    return Environment.objects.filter(everywhere=True).values_list("name", flat=True)
+
+
+@statements.query
+def live_attempts():
+    return (
+        Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES)
+        .order_by("scheduled_at", "pk")
+        .values(
+            "pk", "job_id", "node_id", "gpu_indices", "placement", "borrowed", "scheduled_at", "running_at",
+            "preempt_requested_at", "cancel_requested_at", "job__project_id", "job__submitted_by_id",
+            "job__priority", "job__preemptible", "job__max_runtime_seconds",
+        )
+    )  # fmt: skip
+
+
+@statements.query
+def projects_limits():
+    return Project.objects.values_list(
+        "pk", "gpu_quota", "may_borrow", "max_running_jobs", "max_running_jobs_per_user", "max_gpus_per_job"
+    )
+
+
 def node_environments(nodes: list[Node]) -> dict[int, frozenset[str]]:
-    everywhere = set(Environment.objects.filter(everywhere=True).values_list("name", flat=True))
+    everywhere = set(environments_everywhere.rows())
     advertised: dict[int, set[str]] = defaultdict(set)
     through = Environment.nodes.through.objects.filter(node__in=nodes).values_list("node_id", "environment__name")
     for node_id, name in through:
@@ -117,13 +158,8 @@ def free_gpus(
 
 def running_attempts(now=None) -> list[RunningAttempt]:
     now = now or timezone.now()
-    rows = Attempt.objects.filter(state__in=ACTIVE_ATTEMPT_STATES).order_by("scheduled_at", "pk").values(
-        "pk", "job_id", "node_id", "gpu_indices", "placement", "borrowed", "scheduled_at", "running_at",
-        "preempt_requested_at", "cancel_requested_at", "job__project_id", "job__submitted_by_id",
-        "job__priority", "job__preemptible", "job__max_runtime_seconds",
-    )  # fmt: skip
     out, classes = [], priority_classes()
-    for r in rows:
+    for r in live_attempts.rows():
         started = r["running_at"] or r["scheduled_at"]
         elapsed = max(0.0, (now - started).total_seconds())
         cls = classes.get(r["job__priority"]) or priority_class(r["job__priority"])
@@ -145,14 +181,28 @@ def running_attempts(now=None) -> list[RunningAttempt]:
     return out
 
 
-def queue_order():
-    """Queued jobs in the order they are considered: class rank, then place in the queue."""
+def queue_order(ranks: tuple[tuple[str, int], ...] | None = None):
+    """Queued jobs in the order they are considered: class rank, then place in the queue.
+    `ranks`: (class name, rank) pairs, by default the configured classes'."""
+    ranks = class_ranks() if ranks is None else ranks
     rank = Case(
-        *(When(priority=name, then=Value(cls.rank)) for name, cls in priority_classes().items()),
-        default=Value(-1),
-        output_field=IntegerField(),
+        *(When(priority=name, then=Value(r)) for name, r in ranks), default=Value(-1), output_field=IntegerField()
     )
     return Job.objects.filter(state=JobState.QUEUED).annotate(rank=rank).order_by("-rank", "order_at", "id")
+
+
+def class_ranks() -> tuple[tuple[str, int], ...]:
+    return tuple((name, cls.rank) for name, cls in priority_classes().items())
+
+
+@functools.lru_cache(maxsize=8)
+def the_queue(ranks: tuple[tuple[str, int], ...]) -> statements.Statement:
+    """The queue's read as a statement, one per set of classes (their ranks are in its SQL)."""
+
+    def queue():
+        return queue_order(ranks).values_list(*QUEUE_FIELDS)[:PASS_LIMIT]
+
+    return statements.query(queue)
 
 
 QUEUE_FIELDS = (
@@ -161,10 +211,11 @@ QUEUE_FIELDS = (
 )  # fmt: skip
 
 
-def queued_jobs(limit: int = PASS_LIMIT) -> list[QueuedJob]:
-    """The queue as the policy reads it. Every pass reads all of it (a long queue on a busy
-    fleet: most of a pass), so as tuples, with one Request per shape: most jobs share a few."""
-    rows = list(queue_order().values_list(*QUEUE_FIELDS)[:limit])
+def queued_jobs() -> list[QueuedJob]:
+    """The queue as the policy reads it (its first PASS_LIMIT jobs). Every pass reads all of it
+    (a long queue on a busy fleet: most of a pass), so as tuples, with one Request per shape:
+    most jobs share a few."""
+    rows = the_queue(class_ranks()).rows()
     classes, shapes = priority_classes(), {}
     avoid = suspected_nodes([row[0] for row in rows if ran_before(*row[-3:])])
     out = []
@@ -205,10 +256,7 @@ def suspected_nodes(job_ids: list[int]) -> dict[int, frozenset[int]]:
 
 
 def project_limits() -> dict[int, ProjectLimits]:
-    rows = Project.objects.values_list(
-        "pk", "gpu_quota", "may_borrow", "max_running_jobs", "max_running_jobs_per_user", "max_gpus_per_job"
-    )
-    return {pk: ProjectLimits(*fields) for pk, *fields in rows}
+    return {pk: ProjectLimits(*fields) for pk, *fields in projects_limits.rows()}
 
 
 # --- the pass -------------------------------------------------------------------
@@ -241,7 +289,7 @@ def pass_already_covers(requested_at: float | None, clock: str | None = None) ->
 
 
 def _schedule_pass() -> list[Attempt]:
-    if not Node.objects.schedulable().exists():  # a cordoned fleet: no queue to read
+    if any_schedulable_node.first(heard_since=heard_since_now()) is None:  # a cordoned fleet: no queue to read
         return []
     # The queue and the quotas are read before the locks: a job leaves `queued` only by the
     # conditional update under them (_start_chunk), so one placed by another pass or cancelled
@@ -250,7 +298,7 @@ def _schedule_pass() -> list[Attempt]:
     # write turn: reading a long queue in it kept every agent's write waiting.)
     jobs, projects = queued_jobs(), project_limits()
     with transaction.atomic():
-        nodes = list(Node.objects.schedulable().select_for_update(no_key=True).order_by("pk"))
+        nodes = schedulable_nodes_locked.rows(heard_since=heard_since_now())
         if not nodes:
             return []
         running = running_attempts()

@@ -166,6 +166,20 @@ def test_equal_priority_goes_in_queue_order(project, owner, node, dispatched, dj
     assert Job.objects.get(pk=later.pk).state == JobState.QUEUED
 
 
+def test_the_queue_follows_the_configured_classes_when_they_change(project, owner, node, settings):
+    """The queue's read is compiled once per set of classes (their ranks are in its SQL): a
+    change of HANGAR_PRIORITY_CLASSES reorders it, never an order compiled for the old ones."""
+    from jobs.scheduler import queued_jobs
+
+    low = make_job(project, owner, priority=Priority.LOW, queued_at=timezone.now() - timedelta(minutes=5))
+    high = make_job(project, owner, priority=Priority.HIGH)
+    assert [q.job_id for q in queued_jobs()] == [high.pk, low.pk]
+
+    settings.HANGAR_PRIORITY_CLASSES = {Priority.LOW: {"rank": 90}, Priority.HIGH: {"rank": 10}}
+    assert [q.job_id for q in queued_jobs()] == [low.pk, high.pk]
+    assert [q.rank for q in queued_jobs()] == [90, 10]
+
+
 # --- reconcile --------------------------------------------------------------------
 
 
