@@ -132,9 +132,9 @@ def freeze_what_is_loaded(**_) -> None:
     Celery, kombu; 350,000-400,000 objects) stays for the life of the process. gc.freeze()
     moves it out of the cyclic collector's reach, as portal/webserver.py does for the web.
     Before, each full collection walked all of it: one stopped every thread of a process for
-    150-360 ms, several times a minute under bench/throughput.py (the notifier spent 16 % of
-    its CPU in them, the scheduler and the agents 4 %); a pass or a hand-off caught behind one
-    waited as long. What loads later (MLflow's store, in a background thread: jobs/tracking.py)
+    150-360 ms, once or twice a minute in each under bench/throughput.py (the notifier spent
+    16 % of its CPU collecting, the scheduler and the agents 4 %); a pass or a hand-off caught
+    behind one waited as long. What loads later (MLflow's store, in a background thread: jobs/tracking.py)
     is frozen when it has loaded."""
     gc.collect()
     gc.freeze()
