@@ -113,6 +113,8 @@ def granted_volumes(user, project: Project, wanted: list[dict]) -> list[dict]:
 def checked_dependencies(user, project: Project, wanted: list[dict]) -> list[dict]:
     """Each job depended on must be one the user sees in this project, and able to end as asked.
     (It exists already, so no cycle can form.)"""
+    if not wanted:  # most jobs: building the read of visible jobs was ~15 % of a submit's CPU
+        return []
     visible = Job.objects.visible_to(user).select_related("project")
     found = {j.pk: j for j in visible.filter(pk__in=[d["job"] for d in wanted])}
     deps: dict[int, dict] = {}
