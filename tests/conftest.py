@@ -14,6 +14,29 @@ for name, value in UNSANDBOXED.items():
     os.environ.setdefault(name, value)
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """Each test worker (pytest-xdist) numbers its jobs from an offset of its own. A sandboxed
+    job's uid is 200000 + its id (agent/sandbox.py: job_uid), the workers' databases hand out
+    the same ids, and a uid held by a job of one worker made the same job of the other take the
+    next one: a test that expected its own failed, now and then."""
+    from django.db import connection
+
+    offset = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) * JOB_IDS_PER_WORKER
+    if not offset:
+        return
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("UPDATE sqlite_sequence SET seq = %s WHERE name = 'jobs_job'", [offset])
+            if cursor.rowcount == 0:
+                cursor.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('jobs_job', %s)", [offset])
+        else:
+            cursor.execute("SELECT setval(pg_get_serial_sequence('jobs_job', 'id'), %s)", [offset])
+
+
+JOB_IDS_PER_WORKER = 10_000  # a worker makes fewer; the uid range (100,000) holds ten workers
+
+
 @pytest.fixture(autouse=True)
 def no_isolation_unless_asked(settings):
     settings.HANGAR_SANDBOX = os.environ["HANGAR_SANDBOX"] not in ("off", "0", "false", "no")
