@@ -14,6 +14,9 @@ for name, value in UNSANDBOXED.items():
     os.environ.setdefault(name, value)
 
 
+JOB_IDS_PER_WORKER = 10_000  # a worker makes fewer; the uid range (100,000) holds ten workers
+
+
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
     """Each test worker (pytest-xdist) numbers its jobs from an offset of its own. A sandboxed
@@ -32,9 +35,6 @@ def django_db_setup(django_db_setup, django_db_blocker):
                 cursor.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('jobs_job', %s)", [offset])
         else:
             cursor.execute("SELECT setval(pg_get_serial_sequence('jobs_job', 'id'), %s)", [offset])
-
-
-JOB_IDS_PER_WORKER = 10_000  # a worker makes fewer; the uid range (100,000) holds ten workers
 
 
 @pytest.fixture(autouse=True)
