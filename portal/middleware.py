@@ -40,7 +40,7 @@ class DatabaseUnavailableMiddleware:
 
     def process_exception(self, request, exception):
         if isinstance(exception, DATABASE_DOWN):
-            return database_unavailable(request)
+            return database_unavailable(request, exception)
         return None
 
 
@@ -54,8 +54,11 @@ Reload this page in a few seconds.</p></body></html>
 """
 
 
-def database_unavailable(request) -> HttpResponse:
-    log.warning("%s %s: database unavailable, answered 503", request.method, request.path)
+def database_unavailable(request, error: BaseException | None = None) -> HttpResponse:
+    # What it was (refused, reset, a pool that gave no connection in HANGAR_DB_POOL_TIMEOUT) is
+    # the operator's to tell apart: down is one fix, overloaded another.
+    cause = f" ({type(error).__name__}: {str(error).strip()[:300]})" if error is not None else ""
+    log.warning("%s %s: database unavailable, answered 503%s", request.method, request.path, cause)
     if request.path.startswith("/api/"):
         errors = [{"field": "", "message": "the database is unavailable; retry shortly"}]
         response: HttpResponse = JsonResponse(error_body("unavailable", errors), status=503)

@@ -1,7 +1,8 @@
 """Scheduler processes racing on one database, for tests/test_sched_race.py:
 `setup` fills a fresh database, `race START` runs passes from wall-clock START
 (two of them at once), `check` reports the GPUs live attempts hold, `locks` times
-rows written beside a pass that holds its locks. Each prints JSON."""
+rows written beside a pass that holds its locks, `cancel` cancels a job while the
+pass places it and its agent starts it. Each prints JSON."""
 
 import json
 import os
@@ -133,6 +134,72 @@ def locks() -> None:
     print(json.dumps({"placed_job": job, "writes": writes}))
 
 
+def cancel_while_placed_and_started() -> None:
+    """A job cancelled while a pass places it, its attempt then started by its agent (begin:
+    the attempt's row, then the job's) while the cancel goes on to that attempt. The pass is
+    held after placing; the cancel's first write waits for it; the pass commits; the cancel is
+    held before it reads the attempt; the agent begins; the cancel goes on. Reports what each
+    of the cancel and the start raised, and how long the start took."""
+    scheduler.dispatch = lambda *args: None
+    wakeup.request_pass = lambda: None
+    placed_jobs: list[int] = []
+    pass_held, pass_go, cancel_held, cancel_go = (threading.Event() for _ in range(4))
+    start_attempts, cancel_attempt = scheduler.start_attempts, Job._cancel_attempt
+    errors: dict[str, str] = {}
+
+    def placing(placements, nodes):
+        placed = start_attempts(placements[:1], nodes)
+        placed_jobs.extend(a.job_id for a in placed)
+        pass_held.set()
+        pass_go.wait(30)
+        return placed
+
+    def held_cancel(job, reason):
+        cancel_held.set()
+        cancel_go.wait(30)
+        return cancel_attempt(job, reason)
+
+    def in_thread(name, work):
+        def run():
+            try:
+                work()
+            except Exception as exc:  # reported: the test names who failed
+                errors[name] = repr(exc)[:300]
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    scheduler.start_attempts, Job._cancel_attempt = placing, held_cancel
+    passer = in_thread("pass", scheduler.schedule_pass)
+    assert pass_held.wait(30) and placed_jobs, "the pass placed nothing"
+    job = Job.objects.get(pk=placed_jobs[0])
+    canceller = in_thread("cancel", lambda: job.cancel(None, "cancelled while placed"))
+    time.sleep(0.5)  # the cancel's first write waits for the pass's lock on the job
+    pass_go.set()
+    passer.join(30)
+    assert cancel_held.wait(30), "the cancel never got to the attempt"
+    attempt = Attempt.objects.get(job_id=job.pk)
+    started = time.monotonic()
+
+    def begin():
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '5s'")
+            attempt.begin(0)
+
+    starter = in_thread("start", begin)
+    time.sleep(0.5)  # the start has its attempt's row, and wants the job's
+    cancel_go.set()
+    starter.join(30)
+    start_took = time.monotonic() - started
+    canceller.join(30)
+    state = Job.objects.get(pk=job.pk).state
+    print(json.dumps({"errors": errors, "start_took_s": round(start_took, 2), "job_state": state}))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "setup":
         setup(nodes=20, jobs=400)
@@ -140,5 +207,7 @@ if __name__ == "__main__":
         race(float(sys.argv[2]))
     elif sys.argv[1] == "locks":
         locks()
+    elif sys.argv[1] == "cancel":
+        cancel_while_placed_and_started()
     else:
         check()

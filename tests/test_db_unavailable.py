@@ -50,3 +50,13 @@ def test_a_database_error_raised_in_a_middleware_also_answers_503():
         raise ValueError("a bug")
     except ValueError:
         assert crashed(request).status_code == 500
+
+
+def test_the_log_says_what_the_database_answered(caplog):
+    """A refused connection and a pool that gave none in time are different problems (down,
+    overloaded): the warning beside each 503 names which."""
+    answer("/api/v1/jobs/", DOWN)
+    answer("/jobs/", OperationalError("couldn't get a connection after 5.00 sec"))
+    warnings = [r.getMessage() for r in caplog.records if "answered 503" in r.getMessage()]
+    assert "Connection refused" in warnings[0] and "OperationalError" in warnings[0]
+    assert "couldn't get a connection after 5.00 sec" in warnings[1]

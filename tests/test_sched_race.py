@@ -92,3 +92,13 @@ def test_a_pass_holding_its_locks_does_not_stall_writes_that_reference_its_rows(
     for name, write in done["writes"].items():
         assert "error" not in write, f"{name} waited for the pass's locks: {write}"
         assert write["waited_ms"] < 1000, (name, write)
+
+
+def test_a_job_cancelled_while_it_is_placed_and_started_deadlocks_nothing(postgres_env):
+    """Drill 8 answered a cancel 503 (deadlock detected) now and then: the cancel's update of a
+    queued job waited for the pass placing it and, finding it placed, kept its row locked; it
+    then waited for the job's attempt, which the agent's start held while it waited for the job."""
+    script(postgres_env, "setup")
+    done = script(postgres_env, "cancel")
+    assert done["errors"] == {}, done
+    assert done["start_took_s"] < 3, done  # it never waited on the cancel's stray lock

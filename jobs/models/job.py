@@ -179,12 +179,7 @@ class Job(models.Model):
         is asked to stop and its agent ends it (SIGTERM, grace, SIGKILL)."""
         reason = reason or f"cancelled by {by}"
         with transaction.atomic():
-            if Job.objects.filter(pk=self.pk, state__in=[JobState.QUEUED, JobState.BLOCKED]).update(
-                state=JobState.CANCELLED,
-                finished_at=timezone.now(),
-                failure_class=FailureClass.CANCELLED,
-                state_reason=reason,
-            ):
+            if self._end_while_waiting(reason):
                 ended_here = done = True
             else:
                 # An attempt not yet started ends now (attempt_finished tells of it); a started
@@ -223,6 +218,25 @@ class Job(models.Model):
             JobEvent.objects.create(job=self, kind="moved", message=f"{direction} past job {other.pk} by {by}")
         self.refresh_from_db()
         return True
+
+    def _end_while_waiting(self, reason: str) -> bool:
+        """End the job now if it is queued or blocked. In a savepoint, rolled back when it
+        matched nothing: on PostgreSQL an UPDATE that waited for a row another transaction
+        changed (the scheduler placing this job) and then found it no longer matching keeps
+        that row locked. Held while the cancel went on to wait for the job's new attempt, that
+        lock deadlocked with the agent starting the attempt (its row, then the job's): drill 8."""
+        waiting = transaction.savepoint()
+        ended = Job.objects.filter(pk=self.pk, state__in=[JobState.QUEUED, JobState.BLOCKED]).update(
+            state=JobState.CANCELLED,
+            finished_at=timezone.now(),
+            failure_class=FailureClass.CANCELLED,
+            state_reason=reason,
+        )
+        if ended:
+            transaction.savepoint_commit(waiting)
+        else:
+            transaction.savepoint_rollback(waiting)  # and with it the lock
+        return bool(ended)
 
     def _cancel_attempt(self, reason: str) -> bool:
         attempt = self.attempts.filter(state__in=ACTIVE_ATTEMPT_STATES).first()

@@ -42,7 +42,7 @@ def exception_handler(exc, context):
         message = "conflicts with an existing record (a name or key already in use); change it and retry"
         return Response(error_body("conflict", [{"field": "", "message": message}]), status=status.HTTP_409_CONFLICT)
     if isinstance(exc, DATABASE_DOWN):
-        return database_unavailable(context["request"])
+        return database_unavailable(context["request"], exc)
     if isinstance(exc, Http404):
         exc = exceptions.NotFound("not found, or not in a project you belong to")
     elif isinstance(exc, PermissionDenied):
@@ -79,8 +79,8 @@ def not_found(request, exception=None):
 def crashed(request):
     # Django calls this inside its except block: a database that went away while a
     # middleware read the session is an outage to retry, not a crash.
-    if isinstance(sys.exc_info()[1], DATABASE_DOWN):
-        return database_unavailable(request)
+    if isinstance(error := sys.exc_info()[1], DATABASE_DOWN):
+        return database_unavailable(request, error)
     # The traceback goes to Hangar's log under the request id the answer carries (portal.requestid).
     log.error("%s %s crashed (request id %s)", request.method, request.path, request_id_of(request), exc_info=True)
     if request.path.startswith("/api/"):
