@@ -106,7 +106,7 @@ def live_attempts():
 
 
 @statements.query
-def projects_limits():
+def project_limit_rows():
     return Project.objects.values_list(
         "pk", "gpu_quota", "may_borrow", "max_running_jobs", "max_running_jobs_per_user", "max_gpus_per_job"
     )
@@ -181,10 +181,9 @@ def running_attempts(now=None) -> list[RunningAttempt]:
     return out
 
 
-def queue_order(ranks: tuple[tuple[str, int], ...] | None = None):
+def queue_order(ranks: tuple[tuple[str, int], ...]):
     """Queued jobs in the order they are considered: class rank, then place in the queue.
-    `ranks`: (class name, rank) pairs, by default the configured classes'."""
-    ranks = class_ranks() if ranks is None else ranks
+    `ranks`: (class name, rank) pairs of the configured classes (class_ranks())."""
     rank = Case(
         *(When(priority=name, then=Value(r)) for name, r in ranks), default=Value(-1), output_field=IntegerField()
     )
@@ -256,7 +255,7 @@ def suspected_nodes(job_ids: list[int]) -> dict[int, frozenset[int]]:
 
 
 def project_limits() -> dict[int, ProjectLimits]:
-    return {pk: ProjectLimits(*fields) for pk, *fields in projects_limits.rows()}
+    return {pk: ProjectLimits(*fields) for pk, *fields in project_limit_rows.rows()}
 
 
 # --- the pass -------------------------------------------------------------------
@@ -289,7 +288,8 @@ def pass_already_covers(requested_at: float | None, clock: str | None = None) ->
 
 
 def _schedule_pass() -> list[Attempt]:
-    if any_schedulable_node.first(heard_since=heard_since_now()) is None:  # a cordoned fleet: no queue to read
+    heard_since = heard_since_now()
+    if any_schedulable_node.first(heard_since=heard_since) is None:  # a cordoned fleet: no queue to read
         return []
     # The queue and the quotas are read before the locks: a job leaves `queued` only by the
     # conditional update under them (_start_chunk), so one placed by another pass or cancelled
@@ -298,7 +298,7 @@ def _schedule_pass() -> list[Attempt]:
     # write turn: reading a long queue in it kept every agent's write waiting.)
     jobs, projects = queued_jobs(), project_limits()
     with transaction.atomic():
-        nodes = schedulable_nodes_locked.rows(heard_since=heard_since_now())
+        nodes = schedulable_nodes_locked.rows(heard_since=heard_since)
         if not nodes:
             return []
         running = running_attempts()
