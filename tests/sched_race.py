@@ -49,9 +49,56 @@ def setup(nodes: int, jobs: int) -> None:
     )  # fmt: skip
 
 
-def race(start_at: float) -> None:
+def sends_nothing() -> None:
+    """No message leaves a pass here: no dispatch to an agent, no wake-up."""
     scheduler.dispatch = lambda *args: None
     wakeup.request_pass = lambda: None
+
+
+def hold_the_next_pass(placing: int | None = None) -> tuple[list[int], threading.Event, threading.Event]:
+    """The next pass stops after it placed jobs (`placing` of them at most), its node and
+    job locks taken and uncommitted, until `go` is set. Returns (placed job ids, held, go)."""
+    placed_jobs: list[int] = []
+    held, go = threading.Event(), threading.Event()
+    start_attempts = scheduler.start_attempts
+
+    def placing_then_held(placements, nodes):
+        placed = start_attempts(placements[:placing], nodes)
+        placed_jobs.extend(a.job_id for a in placed)
+        held.set()
+        go.wait(30)
+        return placed
+
+    scheduler.start_attempts = placing_then_held
+    return placed_jobs, held, go
+
+
+def in_thread(work, errors: dict[str, str], name: str) -> threading.Thread:
+    """Run `work` on a connection of its own; what it raises goes in errors[name]."""
+
+    def run():
+        try:
+            work()
+        except Exception as exc:  # reported: the test names who failed
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def with_lock_timeout(seconds: float, work) -> None:
+    """`work` in a transaction that waits at most `seconds` for a lock (then raises)."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL lock_timeout = '{seconds}s'")
+        work()
+
+
+def race(start_at: float) -> None:
+    sends_nothing()
     decide = scheduler.plan
 
     def slow_plan(*args, **kwargs):
@@ -90,28 +137,9 @@ def locks() -> None:
     rows that reference a node and a job the pass locked. Their foreign-key checks take a
     KEY SHARE lock on the referenced row, which a FOR UPDATE lock blocks and a FOR NO KEY
     UPDATE lock does not. Reports each write's wait, or its error under a 2 s lock_timeout."""
-    scheduler.dispatch = lambda *args: None
-    wakeup.request_pass = lambda: None
-    held, release = threading.Event(), threading.Event()
-    placed_jobs: list[int] = []
-    start_attempts = scheduler.start_attempts
-
-    def placing(placements, nodes):
-        placed = start_attempts(placements, nodes)
-        placed_jobs.extend(a.job_id for a in placed)
-        held.set()  # its node and job locks are taken: hold them here, uncommitted
-        release.wait(30)
-        return placed
-
-    def one_pass():
-        try:
-            scheduler.schedule_pass()
-        finally:
-            connection.close()
-
-    scheduler.start_attempts = placing
-    passer = threading.Thread(target=one_pass)
-    passer.start()
+    sends_nothing()
+    placed_jobs, held, go = hold_the_next_pass()
+    passer = in_thread(scheduler.schedule_pass, {}, "pass")
     assert held.wait(30) and placed_jobs, "the pass placed nothing"
     node = Node.objects.order_by("pk").first()
     job = placed_jobs[0]
@@ -122,14 +150,11 @@ def locks() -> None:
     ]:
         started = time.monotonic()
         try:
-            with transaction.atomic():
-                with connection.cursor() as cursor:
-                    cursor.execute("SET LOCAL lock_timeout = '2s'")
-                write()
+            with_lock_timeout(2, write)
             writes[name] = {"waited_ms": round((time.monotonic() - started) * 1000)}
         except Exception as exc:  # reported: the test names the write that waited
             writes[name] = {"error": repr(exc)[:300]}
-    release.set()
+    go.set()
     passer.join(30)
     print(json.dumps({"placed_job": job, "writes": writes}))
 
@@ -140,57 +165,29 @@ def cancel_while_placed_and_started() -> None:
     held after placing; the cancel's first write waits for it; the pass commits; the cancel is
     held before it reads the attempt; the agent begins; the cancel goes on. Reports what each
     of the cancel and the start raised, and how long the start took."""
-    scheduler.dispatch = lambda *args: None
-    wakeup.request_pass = lambda: None
-    placed_jobs: list[int] = []
-    pass_held, pass_go, cancel_held, cancel_go = (threading.Event() for _ in range(4))
-    start_attempts, cancel_attempt = scheduler.start_attempts, Job._cancel_attempt
-    errors: dict[str, str] = {}
-
-    def placing(placements, nodes):
-        placed = start_attempts(placements[:1], nodes)
-        placed_jobs.extend(a.job_id for a in placed)
-        pass_held.set()
-        pass_go.wait(30)
-        return placed
+    sends_nothing()
+    placed_jobs, pass_held, pass_go = hold_the_next_pass(placing=1)
+    cancel_held, cancel_go = threading.Event(), threading.Event()
+    cancel_attempt = Job._cancel_attempt
 
     def held_cancel(job, reason):
         cancel_held.set()
         cancel_go.wait(30)
         return cancel_attempt(job, reason)
 
-    def in_thread(name, work):
-        def run():
-            try:
-                work()
-            except Exception as exc:  # reported: the test names who failed
-                errors[name] = repr(exc)[:300]
-            finally:
-                connection.close()
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
-
-    scheduler.start_attempts, Job._cancel_attempt = placing, held_cancel
-    passer = in_thread("pass", scheduler.schedule_pass)
+    Job._cancel_attempt = held_cancel
+    errors: dict[str, str] = {}
+    passer = in_thread(scheduler.schedule_pass, errors, "pass")
     assert pass_held.wait(30) and placed_jobs, "the pass placed nothing"
     job = Job.objects.get(pk=placed_jobs[0])
-    canceller = in_thread("cancel", lambda: job.cancel(None, "cancelled while placed"))
+    canceller = in_thread(lambda: job.cancel(None, "cancelled while placed"), errors, "cancel")
     time.sleep(0.5)  # the cancel's first write waits for the pass's lock on the job
     pass_go.set()
     passer.join(30)
     assert cancel_held.wait(30), "the cancel never got to the attempt"
     attempt = Attempt.objects.get(job_id=job.pk)
     started = time.monotonic()
-
-    def begin():
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL lock_timeout = '5s'")
-            attempt.begin(0)
-
-    starter = in_thread("start", begin)
+    starter = in_thread(lambda: with_lock_timeout(5, lambda: attempt.begin(0)), errors, "start")
     time.sleep(0.5)  # the start has its attempt's row, and wants the job's
     cancel_go.set()
     starter.join(30)
