@@ -15,7 +15,6 @@ Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
 """
 
 import fcntl
-import gc
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from django.dispatch import receiver
 from jobs.models import FINAL_JOB_STATES, Job, PipelineRun
 from jobs.signals import attempt_finished as attempt_ended
 from portal import statements
-from portal.celery import app
+from portal.celery import app, freeze_what_is_loaded
 
 log = logging.getLogger("hangar.tracking")
 
@@ -112,8 +111,7 @@ def _warm() -> None:
     except Exception as exc:  # the first job records the reason on itself
         log.warning("MLflow at %s is not available yet: %s", settings.MLFLOW_TRACKING_URI, exc)
         return
-    gc.collect()
-    gc.freeze()  # MLflow and SQLAlchemy, loaded for good (portal/celery.py: freeze_what_is_loaded)
+    freeze_what_is_loaded()  # MLflow and SQLAlchemy, loaded for good
 
 
 def experiment_id(project_slug: str) -> str:
