@@ -14,6 +14,7 @@ server gets MLflow's client calls.
 Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
 """
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -47,8 +48,8 @@ def enabled() -> bool:
 
 
 def client():
-    """One MlflowClient per process. Its store is opened under a file lock: the first
-    use of an embedded store creates its tables, which two processes must not do at once."""
+    """One MlflowClient per process. Its store is opened under `store_creation_lock`: the
+    first use of a database store creates its tables, which two processes must not do at once."""
     global _client
     with _client_lock:
         if _client is None:
@@ -57,14 +58,43 @@ def client():
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             from mlflow.tracking import MlflowClient
 
-            if settings.MLFLOW_TRACKING_URI.startswith("sqlite:"):
+            uri = settings.MLFLOW_TRACKING_URI
+            if uri.startswith("sqlite:"):
                 write_ahead_log_for_sqlite()
-            with open(settings.DATA_DIR / "mlflow.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                new = MlflowClient(tracking_uri=settings.MLFLOW_TRACKING_URI)
+            with store_creation_lock(uri):
+                new = MlflowClient(tracking_uri=uri)
                 new.search_experiments(max_results=1)  # opens (and, the first time, creates) the store
             _client = new
         return _client
+
+
+STORE_LOCK_KEY = 0x48616E676172  # "Hangar": PostgreSQL's advisory lock on the MLflow store's database
+
+
+@contextlib.contextmanager
+def store_creation_lock(uri: str):
+    """Held while a process opens the MLflow store for the first time. A file lock in the data
+    directory covers this host's processes (all an embedded SQLite store has). A store in
+    PostgreSQL is shared by every host's agents, scheduler, notifier and web: the lock
+    is also taken in that database (an advisory lock, released with its connection), or two
+    hosts create MLflow's tables at once and one fails on a duplicate type or row. A tracking
+    server creates its own store."""
+    with open(settings.DATA_DIR / "mlflow.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not uri.startswith("postgresql"):  # postgresql:// or postgresql+driver://
+            yield
+            return
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.pool import NullPool
+
+        engine = create_engine(uri, poolclass=NullPool)
+        try:
+            with engine.connect() as held:
+                held.execute(text("SELECT pg_advisory_lock(:key)"), {"key": STORE_LOCK_KEY})
+                held.commit()  # the lock is the session's: no transaction stays open beside the store's
+                yield
+        finally:
+            engine.dispose()
 
 
 def write_ahead_log_for_sqlite() -> None:

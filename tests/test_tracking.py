@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from subprocess import PIPE
 
 import pytest
 from django.test import Client
@@ -13,7 +15,7 @@ from django.utils import timezone
 from agent.runner import Runner
 from jobs import reproduce, tasks, tracking
 from jobs.models import Environment, Job, JobCost
-from tests.factories import api_client, make_attempt, make_job, make_node
+from tests.factories import api_client, make_attempt, make_job, make_node, services_database
 from tests.livestack import BASE_DIR
 
 
@@ -328,3 +330,36 @@ def test_a_hangar_process_outside_ci_starts_no_mlflow_telemetry(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=BASE_DIR, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+OPEN_THE_STORE = """
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+import django
+django.setup()
+import mlflow.tracking  # imported before the start: the processes open the store together
+from jobs import tracking
+time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+print(tracking.client().get_experiment_by_name("Default").experiment_id)
+"""
+
+
+def test_hosts_opening_a_fresh_postgresql_store_at_once_create_it_once(tmp_path):
+    """Agents on several hosts warm up against one fresh MLflow database: each opens it at once,
+    each from its own data directory (so no shared file lock), and every one gets the store.
+    Without the lock in the database, MLflow's table creation raced (a duplicate `experiments`
+    type, a duplicate Default experiment) and the losers had no MLflow."""
+    with services_database() as services:
+        mlflow_db = services["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://")
+        start_at = time.time() + 8  # Django and MLflow imported by then
+        hosts = []
+        for host in range(4):
+            data_dir = tmp_path / f"host{host}"
+            data_dir.mkdir()
+            env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir), "MLFLOW_TRACKING_URI": mlflow_db}
+            opens = [sys.executable, "-c", OPEN_THE_STORE, str(start_at)]
+            hosts.append(subprocess.Popen(opens, cwd=BASE_DIR, env=env, stdout=PIPE, stderr=PIPE, text=True))
+        results = [host.communicate(timeout=120) for host in hosts]
+    assert [host.returncode for host in hosts] == [0] * 4, [err[-2000:] for _, err in results]
+    assert {out.strip() for out, _ in results} == {"0"}
