@@ -97,7 +97,7 @@ class Node(models.Model):
         )
         if came_back:
             AuditEvent.record(None, "node.online", self, reason="agent heartbeat resumed")
-            wakeup.request_pass()
+            wakeup.request_pass(queue_changed=False)
 
     def cordon(self, by, reason: str, evidence: dict | None = None) -> bool:
         """Take the node out of scheduling (from ready, draining or offline)."""
@@ -163,7 +163,7 @@ class Node(models.Model):
             detail = {"previous_state": previous, **({"evidence": evidence} if evidence else {})}
             audit = AuditEvent.record(by, action, self, reason=reason, detail=detail)
             signals.node_state_changed.send(sender=Node, node=self, previous=previous, audit=audit)
-            wakeup.request_pass()  # capacity changed: place (or stop placing) work at once
+            wakeup.request_pass(queue_changed=False)  # capacity changed: place (or stop placing) work at once
         return bool(changed)
 
     def state_history(self) -> models.QuerySet:

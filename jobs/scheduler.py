@@ -66,7 +66,11 @@ CHUNK = 500
 WAKEUP_CLOCK_MARGIN = 0.5
 
 NO_NODES: frozenset[int] = frozenset()
-last_pass_started = 0.0  # wall clock: when the last completed pass of this process began
+# Wall clock, of this process's completed passes: when the last one began (it read the queue
+# after that), and when the last one began reading the fleet (under its locks).
+last_pass_started = 0.0
+last_pass_locked = 0.0
+QUEUE_CHANGED = object()  # a wake-up that does not say: its commit may have changed the queue
 
 
 # --- loading plain data -------------------------------------------------------
@@ -263,19 +267,26 @@ def project_limits() -> dict[int, ProjectLimits]:
 
 def schedule_pass() -> list[Attempt]:
     """Place what fits now and preempt what must make room. Safe to run concurrently."""
-    global last_pass_started
+    global last_pass_started, last_pass_locked
     started = time.time()
     with SCHEDULER_PASS.time():
-        placed = _schedule_pass()
+        placed, locked = _schedule_pass()
     last_pass_started = max(last_pass_started, started)  # only a pass that completed
+    last_pass_locked = max(last_pass_locked, locked)
     return placed
 
 
-def pass_already_covers(requested_at: float | None, clock: str | None = None) -> bool:
+def pass_already_covers(requested_at: float | None, clock: str | None = None, queue_at=QUEUE_CHANGED) -> bool:
     """A wake-up sent (after its commit) before a completed pass of this process started
     needs no pass of its own: that pass read the queue after the commit. A sender on this
     machine (`clock`: its boot id is ours) read the same clock; for one on another machine
     the margin allows for the two clocks to differ.
+
+    `requested_at` is the latest request the wake-up answers, `queue_at` the latest of them
+    whose commit changed the queue (None: none did; not said: the latest did). A request that
+    changed only the fleet (GPUs freed, a node's state) is answered by a pass that began
+    reading the fleet under its locks after it: the nodes, what live attempts hold and the
+    nodes' environments are read there, each statement after the commit.
 
     Under load that is many wake-ups: every finish sends one, and one that queued up behind a
     pass would run another that finds its GPUs handed out already (bench/throughput.py, 600
@@ -283,14 +294,21 @@ def pass_already_covers(requested_at: float | None, clock: str | None = None) ->
     timed at its send; 262 and 17 with neither)."""
     if requested_at is None:
         return False
+    if queue_at is QUEUE_CHANGED:
+        queue_at = requested_at
     margin = 0.0 if clock is not None and clock == wakeup.CLOCK else WAKEUP_CLOCK_MARGIN
-    return requested_at < last_pass_started - margin
+    if queue_at is not None and queue_at >= last_pass_started - margin:
+        return False
+    return requested_at < last_pass_locked - margin
 
 
-def _schedule_pass() -> list[Attempt]:
+def _schedule_pass() -> tuple[list[Attempt], float]:
+    """The attempts placed, and when the pass began reading the fleet under its locks (or,
+    finding no node to place on, began looking)."""
+    looked = time.time()
     heard_since = heard_since_now()
     if any_schedulable_node.first(heard_since=heard_since) is None:  # a cordoned fleet: no queue to read
-        return []
+        return [], looked
     # The queue and the quotas are read before the locks: a job leaves `queued` only by the
     # conditional update under them (_start_chunk), so one placed by another pass or cancelled
     # meanwhile is skipped there, and a preemption is asked only for a job still queued. What
@@ -298,9 +316,10 @@ def _schedule_pass() -> list[Attempt]:
     # write turn: reading a long queue in it kept every agent's write waiting.)
     jobs, projects = queued_jobs(), project_limits()
     with transaction.atomic():
+        locked = time.time()  # before the first read of the fleet: it sees every commit before this
         nodes = schedulable_nodes_locked.rows(heard_since=heard_since)
         if not nodes:
-            return []
+            return [], locked
         running = running_attempts()
         mark_borrowed(running, projects)  # by the quotas as they are now
         free = free_gpus(nodes, running, node_environments(nodes), node_caches(nodes))
@@ -310,7 +329,7 @@ def _schedule_pass() -> list[Attempt]:
         for attempt_id, job_id in decided.preemptions.items():
             if job_id in waiting:
                 preempt(attempt_id, f"preempted to make room for job {job_id}")
-    return placed
+    return placed, locked
 
 
 def still_queued(job_ids: set[int]) -> set[int]:

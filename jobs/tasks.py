@@ -6,11 +6,13 @@ from jobs import notify, scheduler, tracking
 
 
 @shared_task(name="hangar.schedule")
-def schedule(requested_at: float | None = None, clock: str | None = None) -> int:
+def schedule(requested_at: float | None = None, clock: str | None = None, queue_at=scheduler.QUEUE_CHANGED) -> int:
     """One scheduling pass (sent to the scheduler's queue on submit, finish and cancel),
     unless a pass that started after this wake-up was sent has completed already.
-    `clock`: the sender's (portal/wakeup.py), to know whether its time reads ours."""
-    if scheduler.pass_already_covers(requested_at, clock):
+    `clock`: the sender's (portal/wakeup.py), to know whether its time reads ours;
+    `queue_at`: when the latest request it answers that changed the queue was made (None:
+    none did). A wake-up from an older sender does not say it: its request did."""
+    if scheduler.pass_already_covers(requested_at, clock, queue_at):
         return 0
     return len(scheduler.schedule_pass())
 

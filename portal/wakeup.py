@@ -33,18 +33,26 @@ def clock_id() -> str | None:
 CLOCK = clock_id()
 
 
-def request_pass() -> None:
+def request_pass(queue_changed: bool = True) -> None:
     """Ask the scheduler for a pass as soon as the current transaction commits.
+
+    `queue_changed=False` says the commit changed only what the fleet can run (GPUs freed by
+    an attempt's end that queued nothing, a node's state, its environments): a pass that read
+    the fleet after it answers it, even one that had read the queue before.
 
     Only a wake-up: if the broker is unreachable the periodic pass places the
     work, so a failed send is logged, never raised into the caller.
     """
-    transaction.on_commit(send_pass_request)
+    transaction.on_commit(send_pass_request if queue_changed else send_fleet_pass_request)
 
 
 def send_pass_request() -> None:
     """Flag that a wake-up is wanted; this process's waker thread sends it."""
-    _waker.request()
+    _waker.request(queue_changed=True)
+
+
+def send_fleet_pass_request() -> None:
+    _waker.request(queue_changed=False)
 
 
 class Waker:
@@ -57,6 +65,10 @@ class Waker:
     A wake-up carries the time of the latest request it answers, taken after that request's
     commit, not the time it left: a pass that began in between read the queue after every
     commit it answers, and the scheduler skips it (jobs/scheduler.py `pass_already_covers`).
+    It also carries the time of the latest of them that changed the queue (None when none
+    did): for the others a pass that read the fleet after them is enough, and most requests
+    under load are an attempt's end, whose GPUs the pass running at that moment often hands
+    out already (bench/throughput.py: a quarter of the passes placed nothing).
     On a busy machine the send lags the commit by tens of milliseconds, and a wake-up timed
     at its send ran a pass of its own that found the GPUs it freed handed out already."""
 
@@ -64,10 +76,15 @@ class Waker:
         self.wanted = threading.Event()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.requested_at = 0.0
+        self.pending = threading.Lock()
+        self.requested_at: float | None = None  # the latest request not yet sent
+        self.queue_at: float | None = None  # the latest of them that changed the queue
 
-    def request(self) -> None:
-        self.requested_at = time.time()  # before the flag: the send that clears it reads this or later
+    def request(self, queue_changed: bool = True) -> None:
+        with self.pending:  # before the flag: the send that takes them reads these or later
+            self.requested_at = time.time()
+            if queue_changed:
+                self.queue_at = self.requested_at
         self.wanted.set()
         if self.thread is None or not self.thread.is_alive():
             with self.lock:
@@ -79,14 +96,21 @@ class Waker:
         while True:
             self.wanted.wait()
             self.wanted.clear()
-            _publish_wakeup(self.requested_at)
+            self.send()
             time.sleep(WAKEUP_COALESCE_SECONDS)
+
+    def send(self) -> None:
+        with self.pending:
+            requested_at, queue_at = self.requested_at, self.queue_at
+            self.requested_at = self.queue_at = None
+        if requested_at is not None:  # else a send before this one took the requests
+            _publish_wakeup(requested_at, queue_at)
 
     def flush(self) -> None:
         """At exit: send a wake-up still wanted (a short command that submitted work)."""
         if self.wanted.is_set():
             self.wanted.clear()
-            _publish_wakeup(self.requested_at)
+            self.send()
 
 
 _waker = Waker()
@@ -95,9 +119,9 @@ os.register_at_fork(after_in_child=_waker.__init__)
 atexit.register(lambda: _waker.flush())
 
 
-def _publish_wakeup(requested_at: float) -> None:
+def _publish_wakeup(requested_at: float, queue_at: float | None) -> None:
     try:
-        kwargs = {"requested_at": requested_at, "clock": CLOCK}
+        kwargs = {"requested_at": requested_at, "queue_at": queue_at, "clock": CLOCK}
         app.send_task("hangar.schedule", kwargs=kwargs, queue="hangar.scheduler")
     except Exception as exc:
         log.warning("scheduling pass not requested (the periodic pass will run): %s", exc)

@@ -52,7 +52,7 @@ def setup(nodes: int, jobs: int) -> None:
 def sends_nothing() -> None:
     """No message leaves a pass here: no dispatch to an agent, no wake-up."""
     scheduler.dispatch = lambda *args: None
-    wakeup.request_pass = lambda: None
+    wakeup.request_pass = lambda queue_changed=True: None
 
 
 def hold_the_next_pass(placing: int | None = None) -> tuple[list[int], threading.Event, threading.Event]:

@@ -370,7 +370,7 @@ def wakeups(monkeypatch) -> list[float]:
     from portal import wakeup
 
     sent: list[float] = []
-    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda requested_at: sent.append(time.monotonic()))
+    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda requested_at, queue_at: sent.append(time.monotonic()))
     monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
     return sent
 
@@ -417,7 +417,7 @@ def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
 
     sending, sent = threading.Event(), []
 
-    def slow_publish(requested_at):
+    def slow_publish(requested_at, queue_at):
         sent.append(time.monotonic())
         sending.set()
         time.sleep(1.0)
@@ -440,7 +440,7 @@ def test_a_wakeup_carries_the_time_of_the_latest_request_it_answers(monkeypatch)
 
     sending, sent = threading.Event(), []
 
-    def slow_publish(requested_at):
+    def slow_publish(requested_at, queue_at):
         sent.append((requested_at, time.time()))
         sending.set()
         time.sleep(0.5)
@@ -501,6 +501,82 @@ def test_a_wakeup_says_which_clock_its_time_reads(monkeypatch):
 
     sent = []
     monkeypatch.setattr(wakeup.app, "send_task", lambda name, kwargs, queue: sent.append(kwargs))
-    wakeup._publish_wakeup(1234.5)
+    wakeup._publish_wakeup(1234.5, 1200.0)
     assert sent[0]["clock"] == wakeup.clock_id() == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    assert sent[0]["requested_at"] == 1234.5
+    assert sent[0]["requested_at"] == 1234.5 and sent[0]["queue_at"] == 1200.0
+
+
+def test_a_wakeup_says_when_its_latest_request_that_changed_the_queue_was(monkeypatch):
+    """A burst's wake-up carries its latest request and, apart, the latest of those that changed
+    the queue; one answering only freed GPUs or a node's change says none did."""
+    from portal import wakeup
+
+    sending, sent = threading.Event(), []
+
+    def slow_publish(requested_at, queue_at):
+        sent.append((requested_at, queue_at))
+        sending.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    wakeup.send_fleet_pass_request()
+    assert sending.wait(5)
+    before_queue = time.time()
+    wakeup.send_pass_request()  # a submit, while the first send is slow
+    between = time.time()
+    wakeup.send_fleet_pass_request()  # then an attempt's end
+    wait_for(lambda: len(sent) == 2)
+    assert sent[0][1] is None  # GPUs freed only
+    requested_at, queue_at = sent[1]
+    assert before_queue <= queue_at <= between <= requested_at
+
+
+def test_a_wakeup_for_freed_gpus_is_answered_by_a_pass_that_read_the_fleet_after_it(db, node, monkeypatch):
+    """Asked after a pass had read the queue but before it read the fleet under its locks: that
+    pass saw the GPUs free, and the wake-up needs no pass of its own, unless its commit
+    changed the queue (that pass read it before)."""
+    from jobs import scheduler, tasks
+
+    monkeypatch.setattr(scheduler, "last_pass_started", 0.0)
+    monkeypatch.setattr(scheduler, "last_pass_locked", 0.0)
+    asked = []
+    read_queue = scheduler.queued_jobs
+
+    def queue_then_a_request():
+        jobs = read_queue()
+        asked.append(time.time())  # an attempt ends and asks, between the two reads
+        return jobs
+
+    monkeypatch.setattr(scheduler, "queued_jobs", queue_then_a_request)
+    schedule_pass()
+    monkeypatch.setattr(scheduler, "queued_jobs", read_queue)
+
+    here = scheduler.wakeup.CLOCK
+    assert scheduler.last_pass_started < asked[0] < scheduler.last_pass_locked
+    assert scheduler.pass_already_covers(asked[0], here, queue_at=None)
+    assert tasks.schedule(requested_at=asked[0], clock=here, queue_at=None) == 0
+    assert not scheduler.pass_already_covers(asked[0], here, queue_at=asked[0])  # a submit: its job unread
+    assert not scheduler.pass_already_covers(asked[0], here)  # a sender that does not say: as a submit
+    earlier = scheduler.last_pass_started - 0.01
+    assert scheduler.pass_already_covers(asked[0], here, queue_at=earlier)  # a submit before it, a freed GPU after
+    assert not scheduler.pass_already_covers(time.time(), here, queue_at=None)  # since: gets its pass
+
+
+@pytest.mark.parametrize(
+    ("state", "failure_class", "queue_changed"),
+    [(AttemptState.SUCCEEDED, "", False), (AttemptState.LOST, FailureClass.INFRA, True)],
+)
+def test_an_attempts_end_says_whether_it_queued_its_job_again(
+    project, owner, node, monkeypatch, state, failure_class, queue_changed
+):
+    from portal import wakeup
+
+    asked = []
+    monkeypatch.setattr(wakeup, "request_pass", lambda queue_changed=True: asked.append(queue_changed))
+    job = make_job(project, owner)
+    make_attempt(job, node, AttemptState.RUNNING).finish(state, failure_class, "ended")
+
+    job.refresh_from_db()
+    assert (job.state == JobState.QUEUED) is queue_changed
+    assert asked == [queue_changed]

@@ -72,7 +72,7 @@ class Environment(models.Model):
                 environment.nodes.remove(node)
             for environment in known.values():
                 environment.nodes.add(node)
-        wakeup.request_pass()  # what the node can run changed, and it may be new: place work now
+        wakeup.request_pass(queue_changed=False)  # what the node can run changed, and it may be new: place work now
         return sorted(set(names) - set(known))
 
 
