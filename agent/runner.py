@@ -28,6 +28,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from agent import connections, envcache, environments, network, running, sandbox, snapshots, watch
@@ -40,7 +41,16 @@ from fleet.models import HealthEvent, Node
 from fleet.preflight import Result
 from fleet.preflight import record as record_checks
 from jobs import jobspec, pipelines, secret_env, tracking
-from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, Launcher, Stream, lease_from
+from jobs.models import (
+    STARTED_ATTEMPT_STATES,
+    Attempt,
+    AttemptState,
+    FailureClass,
+    Launcher,
+    PipelineStage,
+    Stream,
+    lease_from,
+)
 from portal import statements
 from portal.models import volume_env_name
 
@@ -75,9 +85,11 @@ def renew_every() -> float:
 
 @statements.query
 def attempt_to_run(pk: int):
-    """The attempt with what its run reads: its job, node, project, environment and user."""
+    """The attempt with what its run reads: its job, node, project, environment and user, and
+    whether the job runs a pipeline's stage (most do not: then the stage is not read again)."""
     related = ("job", "node", "job__project", "job__environment", "job__submitted_by")
-    return Attempt.objects.select_related(*related).filter(pk=pk)[:1]
+    staged = Exists(PipelineStage.objects.filter(job_id=OuterRef("job_id"), reused=False))
+    return Attempt.objects.select_related(*related).annotate(runs_a_stage=staged).filter(pk=pk)[:1]
 
 
 @statements.update
@@ -145,6 +157,8 @@ class Runner:
             attempt.node if placement["node_id"] == attempt.node_id else Node.objects.get(pk=placement["node_id"])
         )
         self.gpus: list[int] = placement["gpus"]
+        if not getattr(attempt, "runs_a_stage", True):
+            pipelines.runs_no_stage(self.job)
         self.master = attempt.node  # rank 0's node: MASTER_ADDR for every rank
         # This runner's view of its attempt is its rank's placement: the agent's
         # telemetry, preflight and output monitoring read node and GPUs from it.

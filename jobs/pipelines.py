@@ -360,6 +360,11 @@ def stage_run_by(job: Job) -> PipelineStage | None:
     return job._pipeline_stage
 
 
+def runs_no_stage(job: Job) -> None:
+    """The caller read, with the job, that it runs no stage: stage_run_by reads nothing for it."""
+    job._pipeline_stage = None
+
+
 def stage_env(job: Job) -> dict[str, str]:
     """What every attempt of a stage is given: HANGAR_PIPELINE_DIR, the run and the stage ({} for other jobs)."""
     if (stage := stage_run_by(job)) is None:

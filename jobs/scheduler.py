@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Case, IntegerField, Max, Value, When
+from django.db.models import Case, IntegerField, OuterRef, Subquery, Value, When
 from django.utils import timezone
 
 from fleet.models import CachedEnvironment, Node, heard_since_now
@@ -348,12 +348,15 @@ def start_attempts(placements: list[Placement], nodes: dict[int, Node]) -> list[
 
 def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:
     ids = [p.job_id for p in placements]
+    # Each job still queued, locked, with the number of its latest attempt (one read).
+    latest = Attempt.objects.filter(job_id=OuterRef("pk")).order_by("-number").values("number")[:1]
     queued = Job.objects.select_for_update(no_key=True).filter(pk__in=ids, state=JobState.QUEUED)
-    jobs = {pk: queued_at for pk, queued_at in queued.values_list("pk", "queued_at")}
+    rows = queued.annotate(latest=Subquery(latest)).values_list("pk", "queued_at", "latest")
+    jobs, numbers = {}, {}
+    for pk, queued_at, number in rows:
+        jobs[pk], numbers[pk] = queued_at, number
     # Only jobs still queued move on: one cancelled meanwhile is left alone.
     Job.objects.filter(pk__in=list(jobs), state=JobState.QUEUED).update(state=JobState.SCHEDULED)
-    previous = Attempt.objects.filter(job_id__in=list(jobs)).values("job_id").annotate(n=Max("number"))
-    numbers = dict(previous.values_list("job_id", "n"))
     now = timezone.now()
     attempts = [
         Attempt(

@@ -369,3 +369,21 @@ def test_sharing_a_runs_files_never_follows_a_link_out_of_it(tmp_path):
     assert (run_dir / "sub").stat().st_mode & 0o7777 == 0o777
     assert (run_dir / "sub" / "model.ckpt").stat().st_mode & 0o7777 == 0o777  # set-uid dropped, x kept for all
     assert outside.stat().st_mode & 0o777 == 0o600 and tmp_path.stat().st_mode & 0o777 != 0o777
+
+
+def test_an_agent_reads_the_stage_of_a_job_that_runs_one_and_of_no_other(
+    owner, project, node, pipeline_root, django_assert_num_queries
+):
+    """The attempt's load says whether its job runs a stage: a plain job's start reads none."""
+    from agent.runner import Runner, attempt_to_run
+
+    body = post(owner, document()).json()
+    staged = Job.objects.get(pk=body["stages"][0]["job"])
+    plain = make_job(project, owner)
+    for job, runs_a_stage in ((staged, True), (plain, False)):
+        loaded = attempt_to_run.first(pk=make_attempt(job, node, AttemptState.SCHEDULED).pk)
+        assert loaded.runs_a_stage is runs_a_stage
+        runner = Runner(loaded)
+        with django_assert_num_queries(1 if runs_a_stage else 0):
+            stage = pipelines.stage_run_by(runner.job)
+        assert (stage is not None and stage.job_id == job.pk) is runs_a_stage
