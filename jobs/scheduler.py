@@ -304,7 +304,7 @@ def pass_already_covers(requested_at: float | None, clock: str | None = None, qu
 
 def _schedule_pass() -> tuple[list[Attempt], float]:
     """The attempts placed, and when the pass began reading the fleet under its locks (or,
-    finding no node to place on, began looking)."""
+    finding no node to place on or no job to place, began looking)."""
     looked = time.time()
     heard_since = heard_since_now()
     if any_schedulable_node.first(heard_since=heard_since) is None:  # a cordoned fleet: no queue to read
@@ -314,7 +314,10 @@ def _schedule_pass() -> tuple[list[Attempt], float]:
     # meanwhile is skipped there, and a preemption is asked only for a job still queued. What
     # live attempts hold is read under them. (On SQLite the pass's transaction holds the one
     # write turn: reading a long queue in it kept every agent's write waiting.)
-    jobs, projects = queued_jobs(), project_limits()
+    jobs = queued_jobs()
+    if not jobs:  # nothing to place or make room for: the fleet need not be read (an idle fleet's finishes)
+        return [], looked
+    projects = project_limits()
     with transaction.atomic():
         locked = time.time()  # before the first read of the fleet: it sees every commit before this
         nodes = schedulable_nodes_locked.rows(heard_since=heard_since)

@@ -532,11 +532,13 @@ def test_a_wakeup_says_when_its_latest_request_that_changed_the_queue_was(monkey
     assert before_queue <= queue_at <= between <= requested_at
 
 
-def test_a_wakeup_for_freed_gpus_is_answered_by_a_pass_that_read_the_fleet_after_it(db, node, monkeypatch):
+def test_a_wakeup_for_freed_gpus_is_answered_by_a_pass_that_read_the_fleet_after_it(project, owner, node, monkeypatch):
     """Asked after a pass had read the queue but before it read the fleet under its locks: that
     pass saw the GPUs free, and the wake-up needs no pass of its own, unless its commit
     changed the queue (that pass read it before)."""
     from jobs import scheduler, tasks
+
+    make_job(project, owner, gpus_per_node=node.gpu_count + 1)  # queued, and waits: the pass reads the fleet
 
     monkeypatch.setattr(scheduler, "last_pass_started", 0.0)
     monkeypatch.setattr(scheduler, "last_pass_locked", 0.0)
@@ -580,3 +582,14 @@ def test_an_attempts_end_says_whether_it_queued_its_job_again(
     job.refresh_from_db()
     assert (job.state == JobState.QUEUED) is queue_changed
     assert asked == [queue_changed]
+
+
+def test_a_pass_over_an_empty_queue_reads_no_more_than_the_queue(db, node, django_assert_num_queries):
+    """An idle fleet's finishes each ask for a pass: with nothing queued there is nothing to
+    place or make room for, so it takes no locks and reads no fleet."""
+    from jobs import scheduler
+
+    scheduler.the_queue(scheduler.class_ranks()).rows()  # compiled before counting
+    with django_assert_num_queries(2):  # whether a node is schedulable, and the queue
+        assert schedule_pass() == []
+    assert scheduler.last_pass_locked >= scheduler.last_pass_started  # it answers a freed GPU asked before it
