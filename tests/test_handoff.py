@@ -37,7 +37,8 @@ def test_an_attempts_end_wakes_the_scheduler_first_after_its_commit(
     with django_capture_on_commit_callbacks() as callbacks:
         assert attempt.finish(AttemptState.FAILED, "user", "exited with code 1", exit_code=1)
     # The MLflow run's end and the diagnosis come after: they must not hold the freed GPUs back.
-    assert len(callbacks) >= 2 and callbacks[0] is wakeup.send_pass_request
+    # The job failed for good: only the fleet changed (its GPUs freed), not the queue.
+    assert len(callbacks) >= 2 and callbacks[0] is wakeup.send_fleet_pass_request
 
 
 def test_the_first_rank_taken_is_two_conditional_writes_with_no_read(db, project, owner, django_assert_num_queries):
