@@ -185,9 +185,8 @@ class Attempt(models.Model):
             # First, so the wake-up is the first thing after the commit: the receivers' own
             # after-commit work (the MLflow run's end, a diagnosis) must not delay the hand-off
             # of its GPUs to the next job.
-            wakeup.request_pass(
-                queue_changed=job.state == JobState.QUEUED
-            )  # its GPUs are free, the job may be queued again
+            # Its GPUs are free; the queue changed only if the job was queued again.
+            wakeup.request_pass(queue_changed=job.state == JobState.QUEUED)
             attempt_finished.send(sender=Attempt, attempt=self, job=job)  # its cost, its MLflow run
         return True
 
