@@ -40,6 +40,9 @@ def heard_since_now() -> datetime:
     return timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_SECONDS)
 
 
+NODE_QUEUE_PREFIX = "hangar.node."  # + the node's name: the queue its agent consumes
+
+
 class Node(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     hostname = models.CharField(max_length=255, blank=True)
@@ -82,7 +85,7 @@ class Node(models.Model):
     @property
     def queue(self) -> str:
         """The Celery queue this node's agent consumes."""
-        return f"hangar.node.{self.name}"
+        return f"{NODE_QUEUE_PREFIX}{self.name}"
 
     @property
     def state_colour(self) -> str:

@@ -28,6 +28,7 @@ from django.conf import settings
 from django.db import transaction
 from django.dispatch import receiver
 
+from fleet.models import NODE_QUEUE_PREFIX
 from jobs.models import FINAL_JOB_STATES, Job, PipelineRun
 from jobs.signals import attempt_finished as attempt_ended
 from portal import statements
@@ -128,11 +129,20 @@ _experiments: dict[tuple[str, str], str] = {}
 
 
 @worker_ready.connect
-def warm_up(**_) -> None:
+def warm_up(sender=None, **_) -> None:
     """Open the store when an agent starts rather than in its first job's preflight:
     importing MLflow and creating an embedded store take seconds."""
-    if enabled():
+    if enabled() and uses_mlflow_at_once(sender):
         threading.Thread(target=_warm, daemon=True, name="mlflow-warm-up").start()
+
+
+def uses_mlflow_at_once(consumer) -> bool:
+    """Whether a worker's work uses MLflow as soon as it comes: an agent's (its node's queue: it
+    makes each job's run) or the notifier's (it updates and ends them). The scheduler's does not:
+    warmed up, it held MLflow and SQLAlchemy for good (221 MB resident against ~100); it loads
+    them only if its reconciler ends a pipeline's stage, whose parent run is then closed."""
+    queues = {queue.name for queue in getattr(getattr(consumer, "task_consumer", None), "queues", ())}
+    return QUEUE in queues or any(name.startswith(NODE_QUEUE_PREFIX) for name in queues)
 
 
 def _warm() -> None:

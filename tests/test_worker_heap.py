@@ -28,3 +28,23 @@ def test_mlflow_loaded_by_the_warm_up_is_frozen_with_it(monkeypatch):
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_mlflow_is_warmed_up_by_the_workers_that_use_it_and_not_by_the_scheduler(monkeypatch):
+    from types import SimpleNamespace
+
+    from kombu import Queue
+
+    def worker(*queues):
+        return SimpleNamespace(task_consumer=SimpleNamespace(queues=[Queue(name) for name in queues]))
+
+    warmed = []
+    monkeypatch.setattr(tracking, "enabled", lambda: True)
+    monkeypatch.setattr(tracking, "_warm", lambda: warmed.append(True))
+    monkeypatch.setattr(tracking.threading, "Thread", lambda target, **kw: SimpleNamespace(start=target))
+
+    tracking.warm_up(sender=worker("hangar.scheduler"))
+    assert warmed == []  # the scheduler makes no run: MLflow stays out of it
+    tracking.warm_up(sender=worker("hangar.notify", tracking.QUEUE))  # the notifier
+    tracking.warm_up(sender=worker("hangar.node.gpu-01"))  # an agent
+    assert warmed == [True, True]
