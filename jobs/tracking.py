@@ -130,8 +130,8 @@ _experiments: dict[tuple[str, str], str] = {}
 
 @worker_ready.connect
 def warm_up(sender=None, **_) -> None:
-    """Open the store when an agent starts rather than in its first job's preflight:
-    importing MLflow and creating an embedded store take seconds."""
+    """Open the store when an agent (or the notifier) starts rather than in its first job's
+    preflight: importing MLflow and creating an embedded store take seconds."""
     if enabled() and uses_mlflow_at_once(sender):
         threading.Thread(target=_warm, daemon=True, name="mlflow-warm-up").start()
 
@@ -139,7 +139,7 @@ def warm_up(sender=None, **_) -> None:
 def uses_mlflow_at_once(consumer) -> bool:
     """Whether a worker's work uses MLflow as soon as it comes: an agent's (its node's queue: it
     makes each job's run) or the notifier's (it updates and ends them). The scheduler's does not:
-    warmed up, it held MLflow and SQLAlchemy for good (221 MB resident against ~100); it loads
+    warmed up, it held MLflow and SQLAlchemy for good (221 MB resident against 125); it loads
     them only if its reconciler ends a pipeline's stage, whose parent run is then closed."""
     queues = {queue.name for queue in getattr(getattr(consumer, "task_consumer", None), "queues", ())}
     return QUEUE in queues or any(name.startswith(NODE_QUEUE_PREFIX) for name in queues)
