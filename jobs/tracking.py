@@ -70,6 +70,7 @@ def client():
 
 
 STORE_LOCK_KEY = 0x48616E676172  # "Hangar": PostgreSQL's advisory lock on the MLflow store's database
+STORE_LOCK_WAIT_SECONDS = 60.0  # making MLflow's tables takes seconds
 
 
 @contextlib.contextmanager
@@ -79,7 +80,12 @@ def store_creation_lock(uri: str):
     PostgreSQL is shared by every host's agents, scheduler, notifier and web: the lock
     is also taken in that database (an advisory lock, released with its connection), or two
     hosts create MLflow's tables at once and one fails on a duplicate type or row. A tracking
-    server creates its own store."""
+    server creates its own store.
+
+    The advisory lock is waited for STORE_LOCK_WAIT_SECONDS at most: anyone who can reach the
+    store's database can take it (a job given its URI too), and held for good it would stop
+    every Hangar process's first use of MLflow, and with it every job's start. Held that long,
+    it is no table creation under way: the store is opened without it."""
     with open(settings.DATA_DIR / "mlflow.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not uri.startswith("postgresql"):  # postgresql:// or postgresql+driver://
@@ -91,7 +97,15 @@ def store_creation_lock(uri: str):
         engine = create_engine(uri, poolclass=NullPool)
         try:
             with engine.connect() as held:
-                held.execute(text("SELECT pg_advisory_lock(:key)"), {"key": STORE_LOCK_KEY})
+                take = text("SELECT pg_try_advisory_lock(:key)")
+                deadline = time.monotonic() + STORE_LOCK_WAIT_SECONDS
+                while not held.execute(take, {"key": STORE_LOCK_KEY}).scalar():
+                    if time.monotonic() > deadline:
+                        log.warning(
+                            "MLflow's store lock is held for over %.0f s: opened without it", STORE_LOCK_WAIT_SECONDS
+                        )
+                        break
+                    time.sleep(0.1)
                 held.commit()  # the lock is the session's: no transaction stays open beside the store's
                 yield
         finally:

@@ -363,3 +363,20 @@ def test_hosts_opening_a_fresh_postgresql_store_at_once_create_it_once(tmp_path)
         results = [host.communicate(timeout=120) for host in hosts]
     assert [host.returncode for host in hosts] == [0] * 4, [err[-2000:] for _, err in results]
     assert {out.strip() for out, _ in results} == {"0"}
+
+
+def test_a_store_lock_held_for_good_by_someone_else_delays_the_first_open_only_so_long(settings, tmp_path, monkeypatch):
+    """Anyone reaching the store's database can take the advisory lock (a job given its URI):
+    held for good, it must not stop Hangar's processes from opening MLflow, nor jobs from starting."""
+    import psycopg
+
+    with services_database() as services:
+        store = services["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://")
+        settings.DATA_DIR, settings.MLFLOW_TRACKING_URI = tmp_path, store
+        monkeypatch.setattr(tracking, "STORE_LOCK_WAIT_SECONDS", 0.5)
+        with psycopg.connect(services["DATABASE_URL"], autocommit=True) as squatter:
+            squatter.execute("SELECT pg_advisory_lock(%s)", [tracking.STORE_LOCK_KEY])
+            started = time.monotonic()
+            with tracking.store_creation_lock(store):
+                waited = time.monotonic() - started
+            assert 0.5 <= waited < 10
