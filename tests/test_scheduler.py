@@ -410,27 +410,36 @@ def test_a_burst_of_wakeups_sends_one_at_once_and_one_trailing(wakeups):
     assert min(gaps) >= wakeup.WAKEUP_COALESCE_SECONDS * 0.9
 
 
-def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
-    """Asking never waits on the broker, and a flag raised during a slow send is
-    answered by a later send (its commit may have come after the first one left)."""
+def slow_sends(monkeypatch, seconds: float) -> tuple[threading.Event, list[tuple[float, float | None, float]]]:
+    """A new waker whose sends each take `seconds`: (set at the first send, and each send's
+    requested_at, queue_at and the wall-clock time it left)."""
     from portal import wakeup
 
     sending, sent = threading.Event(), []
 
     def slow_publish(requested_at, queue_at):
-        sent.append(time.monotonic())
+        sent.append((requested_at, queue_at, time.time()))
         sending.set()
-        time.sleep(1.0)
+        time.sleep(seconds)
 
     monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
     monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    return sending, sent
+
+
+def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
+    """Asking never waits on the broker, and a flag raised during a slow send is
+    answered by a later send (its commit may have come after the first one left)."""
+    from portal import wakeup
+
+    sending, sent = slow_sends(monkeypatch, 1.0)
     wakeup.send_pass_request()
     assert sending.wait(5)
-    asked = time.monotonic()
+    asked = time.time()
     wakeup.send_pass_request()
-    assert time.monotonic() - asked < 0.5  # the caller did not wait for the slow send
+    assert time.time() - asked < 0.5  # the caller did not wait for the slow send
     wait_for(lambda: len(sent) == 2)
-    assert sent[1] >= asked
+    assert sent[1][2] >= asked
 
 
 def test_a_wakeup_carries_the_time_of_the_latest_request_it_answers(monkeypatch):
@@ -438,15 +447,7 @@ def test_a_wakeup_carries_the_time_of_the_latest_request_it_answers(monkeypatch)
     it, however long the send waited for a slow one before it."""
     from portal import wakeup
 
-    sending, sent = threading.Event(), []
-
-    def slow_publish(requested_at, queue_at):
-        sent.append((requested_at, time.time()))
-        sending.set()
-        time.sleep(0.5)
-
-    monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
-    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    sending, sent = slow_sends(monkeypatch, 0.5)
     first = time.time()
     wakeup.send_pass_request()
     assert sending.wait(5)
@@ -455,8 +456,8 @@ def test_a_wakeup_carries_the_time_of_the_latest_request_it_answers(monkeypatch)
     wakeup.send_pass_request()
     asked = time.time()
     wait_for(lambda: len(sent) == 2)
-    assert first <= sent[0][0] <= sent[0][1]
-    requested_at, left_at = sent[1]
+    assert first <= sent[0][0] <= sent[0][2]
+    requested_at, _, left_at = sent[1]
     assert latest <= requested_at <= asked  # the later of the two requests it answers
     assert left_at - requested_at > 0.3  # it left after the slow send before it
 
@@ -511,15 +512,7 @@ def test_a_wakeup_says_when_its_latest_request_that_changed_the_queue_was(monkey
     the queue; one answering only freed GPUs or a node's change says none did."""
     from portal import wakeup
 
-    sending, sent = threading.Event(), []
-
-    def slow_publish(requested_at, queue_at):
-        sent.append((requested_at, queue_at))
-        sending.set()
-        time.sleep(0.3)
-
-    monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
-    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    sending, sent = slow_sends(monkeypatch, 0.3)
     wakeup.send_fleet_pass_request()
     assert sending.wait(5)
     before_queue = time.time()
@@ -528,7 +521,7 @@ def test_a_wakeup_says_when_its_latest_request_that_changed_the_queue_was(monkey
     wakeup.send_fleet_pass_request()  # then an attempt's end
     wait_for(lambda: len(sent) == 2)
     assert sent[0][1] is None  # GPUs freed only
-    requested_at, queue_at = sent[1]
+    requested_at, queue_at, _ = sent[1]
     assert before_queue <= queue_at <= between <= requested_at
 
 
