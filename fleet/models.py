@@ -502,7 +502,8 @@ def health_policy() -> health.Policy:
 
 
 class XidPolicy(models.Model):
-    """What an Xid means for the node: the default table is seeded by a migration; operators edit it."""
+    """What an Xid means for the node: the default table is seeded by a migration (and kept by
+    `ensure_defaults`); operators edit it."""
 
     ACTIONS = [
         (health.Action.CORDON, "Cordon"),
@@ -525,6 +526,18 @@ class XidPolicy(models.Model):
 
     def __str__(self) -> str:
         return f"Xid {self.xid}: {self.action}"
+
+    @classmethod
+    def ensure_defaults(cls, **kwargs) -> None:
+        """A post_migrate receiver: the default table's rows exist (an operator's edits are kept).
+        After `migrate`, and after a `flush`: tests that empty the database left later tests of
+        their worker with no table, which the migration had seeded once."""
+        present = set(cls.objects.values_list("xid", flat=True))
+        cls.objects.bulk_create(
+            cls(xid=xid, action=action, description=description)
+            for xid, (action, description) in health.DEFAULT_XID_POLICY.items()
+            if xid not in present
+        )
 
     @classmethod
     def rule_for(cls, xid: int) -> health.XidRule:

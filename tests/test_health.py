@@ -107,6 +107,20 @@ def test_the_default_xid_table_is_seeded_for_operators_to_edit(db):
     assert XidPolicy.rule_for(79).action == Action.CORDON
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_default_xid_table_comes_back_after_the_database_is_emptied_and_keeps_edits():
+    """A flush (every transactional test ends with one) emptied the table the migration seeded:
+    later tests of the same worker found no Xid 46 (run after tests/test_api_jobs.py)."""
+    from django.core.management import call_command
+
+    XidPolicy.objects.filter(xid=79).update(action=Action.IGNORE)  # an operator's edit
+    XidPolicy.ensure_defaults()
+    assert XidPolicy.objects.get(xid=79).action == Action.IGNORE
+    call_command("flush", interactive=False, verbosity=0)
+    assert XidPolicy.objects.get(xid=46).action == Action.CORDON
+    assert XidPolicy.objects.get(xid=79).action == Action.CORDON
+
+
 def test_a_cordoning_event_cordons_the_node_with_evidence(node):
     finding = Finding(Kind.XID, "critical", "GPU 2: Xid 79", gpu_index=2, xid=79, evidence={"xid": 79})
 
