@@ -41,7 +41,8 @@ def test_mlflow_is_warmed_up_by_the_workers_that_use_it_and_not_by_the_scheduler
     warmed = []
     monkeypatch.setattr(tracking, "enabled", lambda: True)
     monkeypatch.setattr(tracking, "_warm", lambda: warmed.append(True))
-    monkeypatch.setattr(tracking, "threading", SimpleNamespace(Thread=lambda target, **kw: SimpleNamespace(start=target)))
+    started_at_once = SimpleNamespace(Thread=lambda target, **kw: SimpleNamespace(start=target))
+    monkeypatch.setattr(tracking, "threading", started_at_once)
 
     tracking.warm_up(sender=worker("hangar.scheduler"))
     assert warmed == []  # the scheduler makes no run: MLflow stays out of it
