@@ -29,12 +29,25 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
+# How long an idle keep-alive connection is kept. uvicorn's default, 5 s, is also httpx's (the
+# `hangar` CLI's) for reusing one: a request sent as the server closed the connection got
+# "Server disconnected without sending a response", a POST whose outcome the client cannot
+# know (drill 8 failed so in a fresh clone's CI). Longer than clients' expiry, and than a load
+# balancer's usual 60 s, so the client or the balancer lets go first.
+KEEP_ALIVE_SECONDS = 65
+
+
 def serve(fd: int) -> None:
     """Serve Hangar (HTTP and websockets) on the listening socket `fd` until SIGTERM."""
     import uvicorn
 
     config = uvicorn.Config(
-        loaded_application(), ws="websockets-sansio", access_log=False, log_level="warning", backlog=2048
+        loaded_application(),
+        ws="websockets-sansio",
+        access_log=False,
+        log_level="warning",
+        backlog=2048,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     uvicorn.Server(config).run(sockets=[socket.socket(fileno=fd)])
 
