@@ -12,6 +12,10 @@ runs the pieces of one job in one process, in turn, and counts the CPU each take
 - close: what the notifier does after it (`hangar.close_run`: the job's state, cost and
   final status on its MLflow run).
 
+On PostgreSQL each step's figure also gives the database's own CPU for it: the server
+processes of the bench's database (read from /proc: the server runs on this machine),
+which parse, plan and run every statement the step sent and flush its commits.
+
 On an embedded default (SQLite in a temporary directory, the local MLflow store), or on
 PostgreSQL when DATABASE_URL is set (a fresh database, dropped after). Simulated GPUs,
 jobs unsandboxed (the sandbox's own cost is bench/start_latency.py --sandbox both's).
@@ -20,7 +24,8 @@ jobs unsandboxed (the sandbox's own cost is bench/start_latency.py --sandbox bot
 
 --profile prints where the attempt's CPU goes (cProfile, every thread; it slows what it
 measures about twofold); --sql lists the statements of one attempt, with the thread that
-sent each. Last line: mode=... attempts=... attempt_cpu_ms=... submit_cpu_ms=...
+sent each. Last line: mode=... attempts=... attempt_cpu_ms=... submit_cpu_ms=... (and
+attempt_db_cpu_ms=... job_db_cpu_ms=... on PostgreSQL)
 """
 
 import argparse
@@ -85,6 +90,30 @@ class QueryCounter:
         return call
 
 
+class DatabaseCPU:
+    """CPU seconds spent so far by the PostgreSQL server processes of one database on this
+    machine (a backend's command line names its database), those that ended included."""
+
+    TICKS = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, name: str):
+        self.marker = f" {name} "
+        self.seen: dict[int, float] = {}
+
+    def __call__(self) -> float:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if self.marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    continue
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            self.seen[int(entry.name)] = (int(fields[11]) + int(fields[12])) / self.TICKS
+        return sum(self.seen.values())
+
+
 def setup():
     import django
     from django.core.management import call_command
@@ -106,9 +135,11 @@ def setup():
     return owner, node
 
 
-def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, list[float]]:
+def one_round(
+    owner, node, queries: QueryCounter | None = None, database: DatabaseCPU | None = None
+) -> dict[str, list[float]]:
     """Submit ROUND echo jobs, place them in one pass, run each attempt: each step's CPU
-    seconds and SQL statements, and the attempts placed."""
+    seconds, SQL statements and the database's CPU seconds, and the attempts placed."""
     from django.utils import timezone
 
     from agent import runner
@@ -119,29 +150,33 @@ def one_round(owner, node, queries: QueryCounter | None = None) -> dict[str, lis
     from jobs.tasks import close_run
 
     spec = {"project": "bench", "name": "echo", "command": ["echo", "hello"], "gpus_per_node": 1}
-    marks = [(time.process_time(), queries.count if queries else 0)]
 
-    def mark() -> None:
-        marks.append((time.process_time(), queries.count if queries else 0))
+    def mark() -> tuple[float, float, int, float]:
+        """This process's CPU before and after reading the database's (no step's), statements, the database's CPU."""
+        before = time.process_time()
+        spent = database() if database else 0.0
+        return (before, time.process_time(), queries.count if queries else 0, spent)
+
+    marks = [mark()]
 
     for _ in range(ROUND):
         checked = JobSubmitSerializer(data=dict(spec))
         checked.is_valid(raise_exception=True)
         submit_job(owner, checked.validated_data)
-    mark()
+    marks.append(mark())
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
     placed = schedule_pass()
-    mark()
+    marks.append(mark())
     for attempt in placed:
         runner.run_attempt(attempt.pk, 0)
-    mark()
+    marks.append(mark())
     for attempt in placed:  # the notifier's task for each (sent by the attempt's end)
         close_run(attempt.job_id)
-    mark()
+    marks.append(mark())
     steps = {}
     for name, (before, after) in zip(STEPS, zip(marks, marks[1:], strict=False), strict=True):
-        steps[name] = [after[0] - before[0], after[1] - before[1]]
-    steps["placed"] = [len(placed), 0]
+        steps[name] = [after[0] - before[1], after[2] - before[2], after[3] - before[3]]
+    steps["placed"] = [len(placed), 0, 0.0]
     return steps
 
 
@@ -186,7 +221,7 @@ def main() -> None:
 
         os.environ["DATABASE_URL"], db_name = fresh_postgres(admin_url)
     try:
-        run(jobs, args.profile, args.sql)
+        run(jobs, args.profile, args.sql, DatabaseCPU(db_name) if db_name else None)
     finally:
         if db_name:
             from django.db import connections
@@ -196,7 +231,7 @@ def main() -> None:
             drop_postgres(admin_url, db_name)
 
 
-def run(jobs: int, profile: bool, sql: bool = False) -> None:
+def run(jobs: int, profile: bool, sql: bool = False, database: DatabaseCPU | None = None) -> None:
     from django.conf import settings
 
     owner, node = setup()
@@ -209,17 +244,19 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
     if profile:
         profile_every_thread()
         main_thread.enable()
-    totals = {name: [0.0, 0] for name in (*STEPS, "placed")}
+    totals = {name: [0.0, 0, 0.0] for name in (*STEPS, "placed")}
     wall = time.perf_counter()
     while totals["placed"][0] < jobs:
-        for name, (cpu, statements) in one_round(owner, node, queries).items():
+        for name, (cpu, statements, db_cpu) in one_round(owner, node, queries, database).items():
             totals[name][0] += cpu
             totals[name][1] += statements
+            totals[name][2] += db_cpu
     wall = time.perf_counter() - wall
     main_thread.disable()
     count = int(totals["placed"][0])
     cpu = {name: totals[name][0] / count * 1000 for name in STEPS}
     sql = {name: totals[name][1] / count for name in STEPS}
+    db_cpu = {name: totals[name][2] / count * 1000 for name in STEPS}
     if profile:
         stats = pstats.Stats(main_thread)
         for other in PROFILES:
@@ -229,12 +266,16 @@ def run(jobs: int, profile: bool, sql: bool = False) -> None:
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
     print(f"{count} echo attempts, {wall / count * 1000:.1f} ms each of wall time, everything included")
     for name in cpu:
-        print(f"  {name}: {cpu[name]:.1f} ms of CPU, {sql[name]:.1f} SQL statements per job")
+        in_database = f", {db_cpu[name]:.1f} ms of the database's" if database else ""
+        print(f"  {name}: {cpu[name]:.1f} ms of CPU, {sql[name]:.1f} SQL statements per job{in_database}")
+    in_database = (
+        f" attempt_db_cpu_ms={db_cpu['attempt']:.1f} job_db_cpu_ms={sum(db_cpu.values()):.1f}" if database else ""
+    )
     print(
         f"mode={mode} attempts={count} attempt_cpu_ms={cpu['attempt']:.1f} attempt_sql={sql['attempt']:.1f} "
         f"submit_cpu_ms={cpu['submit']:.1f} submit_sql={sql['submit']:.1f} pass_cpu_ms={cpu['pass']:.1f} "
         f"close_cpu_ms={cpu['close']:.1f} "
-        f"job_cpu_ms={sum(cpu.values()):.1f} job_sql={sum(sql.values()):.1f}"
+        f"job_cpu_ms={sum(cpu.values()):.1f} job_sql={sum(sql.values()):.1f}{in_database}"
     )
 
 
