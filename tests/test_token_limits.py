@@ -80,6 +80,25 @@ def test_max_gpus_counts_the_gpus_of_unfinished_jobs(limited):
     assert submit(client, gpus=1).status_code == 201
 
 
+def test_only_a_token_with_limits_is_locked_by_its_submits(limited, monkeypatch):
+    """An unlimited token's submits do not take turns on its row (an agent submitting in
+    parallel with one token waited for each of its own submits); a limited one's do."""
+    from django.db.models import QuerySet
+
+    locked = []
+    select_for_update = QuerySet.select_for_update
+
+    def spy(queryset, *args, **kwargs):
+        locked.append(queryset.model)
+        return select_for_update(queryset, *args, **kwargs)
+
+    monkeypatch.setattr(QuerySet, "select_for_update", spy)
+    _, free = limited()
+    assert submit(free).status_code == 201 and ApiToken not in locked
+    _, capped = limited(max_running_jobs=5)
+    assert submit(capped).status_code == 201 and ApiToken in locked
+
+
 def used_today(token, owner, project, node, hours: float, gpus: int = 1):
     """A finished attempt of the token's, `hours` long, ending now."""
     job = make_job(project, owner, submitted_with=token, gpus_per_node=gpus)
