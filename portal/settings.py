@@ -192,6 +192,9 @@ if DATABASE_URL:
         # in a check that costs no round trip on a connection with nothing to read.
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
         DATABASES["default"]["ENGINE"] = "portal.postgresql"
+        # The statements compiled once (portal/statements.py) are prepared on each connection
+        # (portal/postgresql); off for a pooler in transaction mode that cannot keep them.
+        DATABASES["default"]["PREPARED_STATEMENTS"] = env_bool("HANGAR_DB_PREPARED", True)
 else:
     DATABASES = {
         "default": {

@@ -16,7 +16,9 @@ typed values that builds the QuerySet (or the update) with the ORM:
 The first run in a process compiles it twice, with two sets of stand-in values, and keeps
 the SQL and where each value goes in its parameters; every later run copies the kept
 compiler with the values put in their places, and Django's own iterables make the rows
-(model instances, select_related included, dicts or tuples) as the QuerySet would.
+(model instances, select_related included, dicts or tuples) as the QuerySet would. On
+PostgreSQL the statement is also prepared on each connection it runs on (the server
+parses and plans it once there: portal/postgresql).
 
 What a statement may take, so that this stays exact:
 - values of the types in KINDS, each adapted as Django adapts that type for its field;
@@ -271,7 +273,8 @@ class Statement:
         queryset._query = _Prepared(compiled.queryset.query, compiler)
         queryset._db = using
         queryset._result_cache = None
-        return list(queryset)
+        with _prepared_on(connections[using]):
+            return list(queryset)
 
     def first(self, using: str = DEFAULT_DB_ALIAS, **values):
         """The first row, or None (slice the QuerySet, [:1], so only one is read)."""
@@ -282,7 +285,7 @@ class Statement:
         if not self.update_statement:
             raise TypeError(f"{self!r} is a query: call .rows() or .first()")
         _, compiler = self._prepared(values, using)
-        with transaction.mark_for_rollback_on_error(using=using):
+        with transaction.mark_for_rollback_on_error(using=using), _prepared_on(connections[using]):
             return compiler.execute_sql(ROW_COUNT)
 
 
@@ -309,6 +312,13 @@ def insert(model, columns: tuple[str, ...], rows: list[tuple], using: str = DEFA
                 f.get_db_prep_save(value, connection) for row in batch for f, value in zip(fields, row, strict=True)
             ]
             cursor.execute(into + ", ".join([one] * len(batch)), params)
+
+
+def _prepared_on(connection):
+    """Where the backend can (PostgreSQL's, portal/postgresql), the statement is prepared on
+    its connection: its SQL never changes, so the server parses and plans it once."""
+    prepared = getattr(connection, "prepared_statements", None)
+    return prepared() if prepared is not None else contextlib.nullcontext()
 
 
 def _copy(kept):

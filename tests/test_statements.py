@@ -339,20 +339,38 @@ PG_SCRIPT = textwrap.dedent(
     assert t.add_to_day(today - timezone.timedelta(days=1), project, user, Decimal("1")) == 0
     assert CostDaily.objects.values_list("attempts", "cost").get(day=today) == (1, Decimal("1.2346"))
     t.insert_writes_what_bulk_create_writes(node, a)
+    # Prepared on this connection (portal/postgresql): the statements, each with its values
+    # apart ($1...), and nothing else (the ORM's own queries, the insert, this read).
+    import os, re
+    from jobs.models.cost import day_cost_added
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = {row[0] for row in cursor.fetchall()}
+    ran = [t.attempt_with_job, t.attempts_of, t.started_since, t.end, t.locked, day_cost_added]
+    texts = set()
+    for st in ran:
+        numbers = iter(range(1, 1000))
+        texts.add(re.sub("%s", lambda _: f"${next(numbers)}", st.compiled["default"].sql))
+    if os.environ.get("HANGAR_DB_PREPARED") == "0":
+        assert prepared == set(), prepared
+    else:
+        assert prepared == texts, (prepared ^ texts)
     print("statements on postgresql: ok")
     """
 )
 
 
-def test_statements_give_what_the_orm_gives_on_postgresql():
-    """The suite's database is SQLite: the same statements on a PostgreSQL database of their own."""
+@pytest.mark.parametrize("prepared", ["1", "0"])
+def test_statements_give_what_the_orm_gives_on_postgresql(prepared):
+    """The suite's database is SQLite: the same statements on a PostgreSQL database of their own,
+    prepared on their connection (HANGAR_DB_PREPARED, on by default) or not."""
     from tests.factories import services_database
 
     with services_database() as env:
         run = subprocess.run(
             [sys.executable, "-c", PG_SCRIPT],
             cwd=BASE_DIR,
-            env={**os.environ, **env, "DJANGO_SETTINGS_MODULE": "portal.settings"},
+            env={**os.environ, **env, "DJANGO_SETTINGS_MODULE": "portal.settings", "HANGAR_DB_PREPARED": prepared},
             capture_output=True,
             text=True,
             timeout=120,
