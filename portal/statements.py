@@ -289,6 +289,9 @@ class Statement:
             return compiler.execute_sql(ROW_COUNT)
 
 
+PREPARED_INSERT_VALUES = 100
+
+
 def insert(model, columns: tuple[str, ...], rows: list[tuple], using: str = DEFAULT_DB_ALIAS) -> None:
     """Insert rows of plain values, one tuple per row in the order of `columns` (field names),
     as a multi-row INSERT: what `bulk_create` writes, without the model instance per row that
@@ -305,7 +308,12 @@ def insert(model, columns: tuple[str, ...], rows: list[tuple], using: str = DEFA
     size = max(1, connection.ops.bulk_batch_size(fields, rows))
     # More rows than one statement takes: all of them or none, as bulk_create.
     whole = transaction.atomic(using=using, savepoint=False) if len(rows) > size else contextlib.nullcontext()
-    with whole, transaction.mark_for_rollback_on_error(using=using), connection.cursor() as cursor:
+    # Prepared where the backend can (its SQL is the same for as many rows): a few rows only,
+    # the kind that come back (a job's event, its preflight's checks), not a one-off batch.
+    prepared = (
+        _prepared_on(connection) if len(rows) * len(fields) <= PREPARED_INSERT_VALUES else contextlib.nullcontext()
+    )
+    with whole, transaction.mark_for_rollback_on_error(using=using), prepared, connection.cursor() as cursor:
         for start in range(0, len(rows), size):
             batch = rows[start : start + size]
             params = [

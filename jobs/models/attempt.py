@@ -215,11 +215,12 @@ class Attempt(models.Model):
             update.update(state=JobState.QUEUED, queued_at=now)
         else:
             kind, update = JobState.FAILED, {"state": JobState.FAILED, "failure_class": self.failure_class}
-        if update["state"] != JobState.QUEUED:
-            update.update(finished_at=now, exit_code=self.exit_code)
-        update["state_reason"] = self.reason
-        Job.objects.filter(pk=self.job_id).update(**update)
-        JobEvent.objects.create(job_id=self.job_id, attempt=self, kind=kind, message=self.reason)
+        if update["state"] == JobState.QUEUED:
+            Job.objects.filter(pk=self.job_id).update(**update, state_reason=self.reason)
+        else:
+            job_over.update(pk=self.job_id, **update, now=now, exit_code=self.exit_code, reason=self.reason)
+        event = (self.job_id, self.pk, now, kind, self.reason)
+        statements.insert(JobEvent, ("job_id", "attempt_id", "at", "kind", "message"), [event])
         return JobMoved(state=update["state"], **moved)
 
     @classmethod
@@ -271,6 +272,18 @@ def attempt_ended(from_states: tuple[str, ...]) -> statements.Statement:
 def job_state_moved(pk: int, state: str, new_state: str):
     """A job moved on from one state only: the move of a job that left it meanwhile matches nothing."""
     return Job.objects.filter(pk=pk, state=state), {"state": new_state}
+
+
+@statements.update
+def job_over(pk: int, state: str, failure_class: str, now: datetime, exit_code: int | None, reason: str):
+    """A job's end, from its attempt's (Attempt._move_job_on: the job is locked)."""
+    return Job.objects.filter(pk=pk), {
+        "state": state,
+        "failure_class": failure_class,
+        "finished_at": now,
+        "exit_code": exit_code,
+        "state_reason": reason,
+    }
 
 
 @statements.update

@@ -190,8 +190,9 @@ def add_to_row(
 
     if not new and add():
         return
-    if not racing:
-        model.objects.create(**key, **create_with, **added)
+    if not racing:  # the row's only writer: its values as they are, without a model instance
+        row = {**key, **create_with, **added}
+        statements.insert(model, tuple(row), [tuple(row.values())])
         return
     try:
         with transaction.atomic():  # a savepoint: a lost race must not abort the finishing transaction
