@@ -116,20 +116,38 @@ def project_limit_rows():
     )
 
 
-def node_environments(nodes: list[Node]) -> dict[int, frozenset[str]]:
+@statements.query
+def advertised_environments(heard_since: datetime):
+    """(node id, environment name) for what the schedulable nodes advertise."""
+    on = Node.objects.schedulable(heard_since)
+    return Environment.nodes.through.objects.filter(node__in=on).values_list("node_id", "environment__name")
+
+
+@statements.query
+def held_caches(heard_since: datetime):
+    """(node id, requirement keys) of the cached environments the schedulable nodes hold."""
+    on = Node.objects.schedulable(heard_since)
+    # No ordering: its default goes through the nodes.
+    return CachedEnvironment.objects.filter(node__in=on).order_by().values_list("node_id", "keys")
+
+
+# Both read the nodes that `heard_since` makes schedulable, as the caller's list of them was
+# read (a statement takes no list of ids: its SQL would change with their number); a node
+# that became schedulable since is not in the list and its rows are left out.
+
+
+def node_environments(nodes: list[Node], heard_since: datetime) -> dict[int, frozenset[str]]:
     everywhere = set(environments_everywhere.rows())
     advertised: dict[int, set[str]] = defaultdict(set)
-    through = Environment.nodes.through.objects.filter(node__in=nodes).values_list("node_id", "environment__name")
-    for node_id, name in through:
+    for node_id, name in advertised_environments.rows(heard_since=heard_since):
         advertised[node_id].add(name)
     return {n.pk: frozenset(everywhere | advertised[n.pk]) for n in nodes}
 
 
-def node_caches(nodes: list[Node]) -> dict[int, frozenset[str]]:
+def node_caches(nodes: list[Node], heard_since: datetime) -> dict[int, frozenset[str]]:
     """The requirement keys of the cached environments each node holds (agent/envcache.py reports them)."""
     keys: dict[int, set[str]] = defaultdict(set)
-    held_by = CachedEnvironment.objects.filter(node__in=nodes).order_by()  # merged: no ordering (through nodes)
-    for node_id, held in held_by.values_list("node_id", "keys"):
+    for node_id, held in held_caches.rows(heard_since=heard_since):
         keys[node_id].update(held or [])
     return {n.pk: frozenset(keys[n.pk]) for n in nodes}
 
@@ -325,7 +343,7 @@ def _schedule_pass() -> tuple[list[Attempt], float]:
             return [], locked
         running = running_attempts()
         mark_borrowed(running, projects)  # by the quotas as they are now
-        free = free_gpus(nodes, running, node_environments(nodes), node_caches(nodes))
+        free = free_gpus(nodes, running, node_environments(nodes, heard_since), node_caches(nodes, heard_since))
         decided = plan(jobs, free, running, projects)
         placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
         waiting = still_queued(set(decided.preemptions.values()))
@@ -447,8 +465,9 @@ def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     """Every queued job in order with why it waits and when it should start, read
     without locks (a dry run of the next pass); and the reasons by job id."""
     now = now or timezone.now()
-    nodes = list(Node.objects.schedulable().order_by("pk"))
-    running, projects, envs = running_attempts(now), project_limits(), node_environments(nodes)
+    heard_since = heard_since_now()
+    nodes = list(Node.objects.schedulable(heard_since).order_by("pk"))
+    running, projects, envs = running_attempts(now), project_limits(), node_environments(nodes, heard_since)
     mark_borrowed(running, projects)
     jobs = queued_jobs()
     unready = unready_nodes({n.pk for n in nodes})
