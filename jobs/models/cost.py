@@ -180,7 +180,9 @@ def add_to_row(
     """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
     none: one UPDATE where the row exists, as it does for all but a job's or a day's first
     attempt; the INSERT first when the caller knows there is none yet (`new`). Two writers
-    creating the same row at once (`racing`): the one that loses adds to the other's.
+    creating the same row at once (`racing`): the one that loses adds to the other's. The only
+    writer (not `racing`) inserts with statements.insert: key, create_with and added give
+    every column (no model default is applied).
     `adds`: the UPDATE as a compiled statement of the key's, added and set values."""
 
     def add() -> int:

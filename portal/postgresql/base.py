@@ -23,8 +23,8 @@ each one anew: planning was 29 % and parsing 16 % of PostgreSQL's CPU under shor
 (perf, bench/attempt_cpu.py). Inside `prepared_statements()` a statement is sent with its
 values apart (psycopg's server-side binding) and prepared on its connection the first time;
 later runs on that connection skip the parse and, once PostgreSQL settles on a generic plan,
-the planning too (bench/attempt_cpu.py: the database's CPU per `echo` attempt ~11.5 -> ~7.5
-ms). Every other statement is sent as before. A pooler in transaction mode that cannot keep
+the planning too (bench/attempt_cpu.py, interleaved runs: the database's CPU per `echo`
+attempt 9.6-10.4 -> 5.7-6.8 ms). Every other statement is sent as before. A pooler in transaction mode that cannot keep
 prepared statements (PgBouncer before 1.21) needs HANGAR_DB_PREPARED=0.
 """
 
