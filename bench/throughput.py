@@ -144,6 +144,11 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
     released = datetime.fromtimestamp(started, tz=UTC)
     wait_all(job_ids, timeout=max(120.0, 20 * count * max(duration, 0.05) / gpus))
     cpu = {role: spent - cpu_before[role] for role, spent in cpu_by_role(pids).items()}
+    # Processes started meanwhile spent all their CPU on this run: PostgreSQL's backends for the
+    # connections the pools opened under load (counting only those alive at the start read
+    # about half of the database's CPU).
+    for role, group in roles(stack, services=not settings.EMBEDDED_DATABASE).items():
+        cpu[role] = cpu.get(role, 0.0) + sum(cpu_seconds(pid) for pid in set(group) - set(pids.get(role, ())))
     jobs = {j.pk: j for j in Job.objects.filter(pk__in=job_ids)}
     attempts = list(Attempt.objects.filter(job_id__in=job_ids).select_related("node"))
     finished = max(a.finished_at for a in attempts).timestamp()
