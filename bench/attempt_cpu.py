@@ -94,23 +94,16 @@ class DatabaseCPU:
     """CPU seconds spent so far by the PostgreSQL server processes of one database on this
     machine (a backend's command line names its database), those that ended included."""
 
-    TICKS = os.sysconf("SC_CLK_TCK")
-
     def __init__(self, name: str):
         self.marker = f" {name} "
         self.seen: dict[int, float] = {}
 
     def __call__(self) -> float:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if self.marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    continue
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            self.seen[int(entry.name)] = (int(fields[11]) + int(fields[12])) / self.TICKS
+        from throughput import cpu_seconds, processes
+
+        for pid, (_, cmdline) in processes().items():
+            if cmdline.startswith("postgres:") and self.marker in cmdline:
+                self.seen[pid] = cpu_seconds(pid)
         return sum(self.seen.values())
 
 
