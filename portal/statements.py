@@ -273,7 +273,7 @@ class Statement:
         queryset._query = _Prepared(compiled.queryset.query, compiler)
         queryset._db = using
         queryset._result_cache = None
-        with _prepared_on(connections[using]):
+        with _prepared_on(compiler.connection):
             return list(queryset)
 
     def first(self, using: str = DEFAULT_DB_ALIAS, **values):
@@ -285,7 +285,7 @@ class Statement:
         if not self.update_statement:
             raise TypeError(f"{self!r} is a query: call .rows() or .first()")
         _, compiler = self._prepared(values, using)
-        with transaction.mark_for_rollback_on_error(using=using), _prepared_on(connections[using]):
+        with transaction.mark_for_rollback_on_error(using=using), _prepared_on(compiler.connection):
             return compiler.execute_sql(ROW_COUNT)
 
 
