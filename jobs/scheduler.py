@@ -131,12 +131,10 @@ def held_caches(heard_since: datetime):
     return CachedEnvironment.objects.filter(node__in=on).order_by().values_list("node_id", "keys")
 
 
-# Both read the nodes that `heard_since` makes schedulable, as the caller's list of them was
-# read (a statement takes no list of ids: its SQL would change with their number); a node
-# that became schedulable since is not in the list and its rows are left out.
-
-
 def node_environments(nodes: list[Node], heard_since: datetime) -> dict[int, frozenset[str]]:
+    """The environments each node can run jobs in. `heard_since`: the one `nodes` were read
+    with (this and node_caches read by it, not by a list of ids, whose number would change
+    their SQL); a node that became schedulable since is not in `nodes`, its rows are left out."""
     everywhere = set(environments_everywhere.rows())
     advertised: dict[int, set[str]] = defaultdict(set)
     for node_id, name in advertised_environments.rows(heard_since=heard_since):
