@@ -449,12 +449,14 @@ class Runner:
         )
         if self.ray:
             argv, env = self.ray_rank(argv, env)
+        boxed = self.launch is not None and self.launch.box is not None and not container
         if self.launch is not None and not container:
             argv, env = self.launch.wrap(argv, env, self.workdir())
         popen_user = environments.popen_user(self.job, user) if self.launch is None else self.launch.popen_user()
         popen_user = popen_user if not container else {}
         limit = settings.HANGAR_JOB_MEMORY_LIMIT_MB
-        if (leader := sandbox.leader_argv(argv, popen_user, limit, sandbox.tools())) is not None:
+        leader = sandbox.leader_argv(argv, popen_user, limit, sandbox.tools(), dies_with_parent=boxed)
+        if leader is not None:
             spawn = {"args": leader}  # spawned with vfork (see leader_argv)
         else:  # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG
             spawn = {"args": argv, "preexec_fn": job_preexec(limit), **popen_user}

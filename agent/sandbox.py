@@ -7,6 +7,9 @@ the Runner (agent/runner.py) gathers the data and starts what `wrap` returns.
 How the sandbox is built, and why in this order (see TRAPS.md):
 - the agent (root) drops to the job's uid with setpriv first, and bwrap then makes its
   namespaces unprivileged: bwrap started as root would map the job to root;
+- that setpriv also sets the parent-death signal, after the uid change (which clears it),
+  so the whole chain dies with the runner's thread from its first program on, before
+  bwrap's --die-with-parent; no program of its own is started for it (`leader_argv`);
 - bwrap resolves every bind source as the job's uid, so the path to the job's directory
   must be searchable by it (`prepare_node` makes the data directory 0711, its files 0600);
 - the outer bwrap dies on SIGTERM and takes the sandbox with it, so it is started with
@@ -90,8 +93,9 @@ def hidden_mounts(hidden: tuple[str, ...]) -> list[str]:
 
 def bwrap_argv(box: Sandbox, command: list[str]) -> list[str]:
     """The argv that runs `command` in `box` (see the module's docstring for the order)."""
-    argv = [box.env, "--ignore-signal=TERM", box.setpriv, f"--reuid={box.uid}", f"--regid={box.uid}"]
-    argv += ["--clear-groups", "--no-new-privs", box.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc"]
+    argv = [box.setpriv, f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups", "--no-new-privs"]
+    argv += ["--pdeathsig", "KILL", "--", box.env, "--ignore-signal=TERM"]
+    argv += [box.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc"]
     if box.network == "none":
         argv.append("--unshare-net")
     argv += ["--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
@@ -143,15 +147,25 @@ def tools() -> Tools:
 
 
 def leader_argv(
-    argv: list[str], as_user: dict, memory_limit_mb: int, found: Tools, euid: int | None = None
+    argv: list[str],
+    as_user: dict,
+    memory_limit_mb: int,
+    found: Tools,
+    euid: int | None = None,
+    dies_with_parent: bool = False,
 ) -> list[str] | None:
     """The argv that starts a job's leader with programs doing what a preexec function did
     between fork and exec: the memory limit (prlimit: RLIMIT_AS, inherited by all it starts),
     the job user (`as_user`: Popen's user/group/extra_groups, done by setpriv) and the
-    parent-death signal (setpriv --pdeathsig: the leader dies with the runner's thread; set
-    again after a uid change, which clears it). Started this way, with no preexec function
-    and no uid to change, Python spawns it with vfork: forking the agent's few hundred MB
-    cost ~17 ms of CPU per job, half of it copy-on-write faults in the agent's own threads.
+    parent-death signal (setpriv --pdeathsig: the leader dies with the runner's thread). One
+    setpriv does both: it sets the signal after the uid change, which clears it. Started
+    this way, with no preexec function and no uid to change, Python spawns it with vfork:
+    forking the agent's few hundred MB cost ~17 ms of CPU per job, half of it copy-on-write
+    faults in the agent's own threads. Each program in the chain costs ~0.6 ms of CPU and
+    as much of the job's start.
+
+    `dies_with_parent`: `argv`'s own first program sets the signal (a sandbox's setpriv,
+    `bwrap_argv`), so only the memory limit, if any, is put before it.
 
     None when a program it needs is missing, or a uid change is asked of an agent that is
     not root: the caller then forks with a preexec function, as before (and Popen reports a
@@ -163,11 +177,12 @@ def leader_argv(
     if memory_limit_mb:
         limit = memory_limit_mb * 1024 * 1024
         lead += [found.prlimit, f"--as={limit}:{limit}", "--"]
-    lead += [found.setpriv, "--pdeathsig", "KILL", "--"]
     if as_user:
         groups = ",".join(str(gid) for gid in as_user.get("extra_groups") or ())
         lead += [found.setpriv, f"--reuid={as_user['user']}", f"--regid={as_user['group']}"]
-        lead += [f"--groups={groups}" if groups else "--clear-groups", "--", found.setpriv, "--pdeathsig", "KILL", "--"]
+        lead += [f"--groups={groups}" if groups else "--clear-groups", "--pdeathsig", "KILL", "--"]
+    elif not dies_with_parent:
+        lead += [found.setpriv, "--pdeathsig", "KILL", "--"]
     return [*lead, *argv]
 
 

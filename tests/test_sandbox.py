@@ -66,8 +66,8 @@ def test_the_sandbox_argv_drops_to_the_uid_then_makes_the_namespaces():
     argv = bwrap_argv(box(hidden=("/var/hangar", "/var/hangar/jobs", "/var/hangar/log-spool")), ["python", "t.py"])
 
     assert argv == [
+        "setpriv", "--reuid=200007", "--regid=200007", "--clear-groups", "--no-new-privs", "--pdeathsig", "KILL", "--",
         "env", "--ignore-signal=TERM",
-        "setpriv", "--reuid=200007", "--regid=200007", "--clear-groups", "--no-new-privs",
         "bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--die-with-parent",
         "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
         "--tmpfs", "/var/hangar",
@@ -167,34 +167,63 @@ TOOLS = Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", "/usr/bin/pr
 DEATH = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"]
 
 
+LIMIT = ["/usr/bin/prlimit", "--as=2097152:2097152", "--"]
+
+
 @pytest.mark.parametrize(
-    "as_user, limit_mb, found, euid, expected",
+    "as_user, limit_mb, found, euid, dies_with_parent, expected",
     [
-        ({}, 0, TOOLS, 0, [*DEATH, "cmd"]),
-        ({}, 2, TOOLS, 1000, ["/usr/bin/prlimit", "--as=2097152:2097152", "--", *DEATH, "cmd"]),
-        # the uid change clears the parent-death signal: set again after it
+        ({}, 0, TOOLS, 0, False, [*DEATH, "cmd"]),
+        ({}, 2, TOOLS, 1000, False, [*LIMIT, *DEATH, "cmd"]),
+        # one setpriv: it sets the parent-death signal after the uid change, which clears it
         (
             {"user": 200007, "group": 200007, "extra_groups": []},
             0,
             TOOLS,
             0,
-            [*DEATH, "/usr/bin/setpriv", "--reuid=200007", "--regid=200007", "--clear-groups", "--", *DEATH, "cmd"],
+            False,
+            [
+                "/usr/bin/setpriv",
+                "--reuid=200007",
+                "--regid=200007",
+                "--clear-groups",
+                "--pdeathsig",
+                "KILL",
+                "--",
+                "cmd",
+            ],
         ),
         (
             {"user": 1001, "group": 1001, "extra_groups": [27, 1001]},
-            0,
+            2,
             TOOLS,
             0,
-            [*DEATH, "/usr/bin/setpriv", "--reuid=1001", "--regid=1001", "--groups=27,1001", "--", *DEATH, "cmd"],
+            False,
+            [
+                *LIMIT,
+                "/usr/bin/setpriv",
+                "--reuid=1001",
+                "--regid=1001",
+                "--groups=27,1001",
+                "--pdeathsig",
+                "KILL",
+                "--",
+                "cmd",
+            ],
         ),
+        # a sandbox's argv sets the signal itself (bwrap_argv's setpriv): only the limit goes before it
+        ({}, 0, TOOLS, 0, True, ["cmd"]),
+        ({}, 2, TOOLS, 0, True, [*LIMIT, "cmd"]),
         # a missing program, or a uid an agent that is not root may not take: forked as before
-        ({}, 0, Tools("/usr/bin/bwrap", None, "/usr/bin/env", "/usr/bin/prlimit"), 0, None),
-        ({}, 512, Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", None), 0, None),
-        ({"user": 1001, "group": 1001, "extra_groups": []}, 0, TOOLS, 1000, None),
+        ({}, 0, Tools("/usr/bin/bwrap", None, "/usr/bin/env", "/usr/bin/prlimit"), 0, False, None),
+        ({}, 512, Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", None), 0, False, None),
+        ({"user": 1001, "group": 1001, "extra_groups": []}, 0, TOOLS, 1000, False, None),
     ],
 )
-def test_the_job_leaders_argv_does_what_a_preexec_function_did(as_user, limit_mb, found, euid, expected):
-    assert leader_argv(["cmd"], as_user, limit_mb, found, euid=euid) == expected
+def test_the_job_leaders_argv_does_what_a_preexec_function_did(
+    as_user, limit_mb, found, euid, dies_with_parent, expected
+):
+    assert leader_argv(["cmd"], as_user, limit_mb, found, euid=euid, dies_with_parent=dies_with_parent) == expected
 
 
 def started_by_a_thread_that_ends(argv: list[str], cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
@@ -242,7 +271,8 @@ def test_every_process_of_a_sandbox_dies_with_the_thread_that_started_it(public_
     found = tools()
     sandbox = Sandbox(uid=uid, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv, env=found.env)
     script = "setsid sleep 301 & (trap '' TERM HUP; exec sleep 302) & sleep 0.2; echo up; exec sleep 303"
-    proc, first = started_by_a_thread_that_ends(leader_argv(bwrap_argv(sandbox, [SH, "-c", script]), {}, 0, found))
+    argv = leader_argv(bwrap_argv(sandbox, [SH, "-c", script]), {}, 0, found, dies_with_parent=True)
+    proc, first = started_by_a_thread_that_ends(argv)
     assert first == "up"
     assert proc.wait(timeout=10) == -9
     deadline = time.monotonic() + 10  # a SIGKILLed process may wait to be scheduled on a loaded machine
