@@ -27,7 +27,9 @@ What a statement may take, so that this stays exact:
   (its length is in the SQL), no value an expression transforms (__contains adds %...%).
   The first compile checks this and raises StatementError otherwise: the two compiles
   must give one SQL text, and each parameter that differs between them must be the
-  stand-in of exactly one value, adapted. Anything else is a constant.
+  stand-in of exactly one value, adapted. Anything else is a constant, a JSON one
+  included (a value the statement's build writes as it is: one statement per such value,
+  as `attempt_ended` keeps one per set of states).
 """
 
 import contextlib
@@ -45,6 +47,9 @@ from django.db.models import QuerySet
 from django.db.models.sql import UpdateQuery
 from django.db.models.sql.constants import ROW_COUNT
 from django.db.transaction import TransactionManagementError
+from psycopg.types.json import Json, Jsonb
+
+JSON_WRAPPER = (Json, Jsonb)  # how PostgreSQL's backend passes a JSON value (SQLite's: a string)
 
 
 class StatementError(Exception):
@@ -199,7 +204,7 @@ class Statement:
         ]
         slots, used = [], set()
         for position, (a, b) in enumerate(zip(params, params_b, strict=True)):
-            if type(a) is type(b) and a == b:
+            if _same_constant(a, b):
                 continue  # a constant of the statement
             mine = [
                 (index, wrap)
@@ -334,6 +339,17 @@ def _copy(kept):
     copied = object.__new__(type(kept))
     copied.__dict__.update(kept.__dict__)
     return copied
+
+
+def _same_constant(a, b) -> bool:
+    """Whether two compiles put one constant here. A JSON constant comes wrapped by the
+    database's adapter (psycopg's Jsonb on PostgreSQL), which compares by identity: it is
+    one constant when both wrap equal values to be written by one function."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, JSON_WRAPPER):
+        return a.obj == b.obj and a.dumps == b.dumps
+    return a == b
 
 
 def _wrapper(param, adapted) -> type | None | bool:

@@ -50,6 +50,21 @@ def end(pk: int, now: datetime, reason: str, exit_code: int | None, lease: datet
     }
 
 
+@statements.update
+def taken(pk: int, state: str):
+    """A JSON constant in an update (as jobs.models.attempt.first_rank_taken writes rank_status)."""
+    return Attempt.objects.filter(pk=pk, state=state), {"state": "preflight", "rank_status": {"0": None, "1": [2, 3]}}
+
+
+def json_constant_written(attempt) -> None:
+    assert taken.update(pk=attempt.pk, state="scheduled") == 1
+    assert taken.update(pk=attempt.pk, state="scheduled") == 0  # preflight now
+    assert Attempt.objects.values_list("state", "rank_status").get(pk=attempt.pk) == (
+        "preflight",
+        {"0": None, "1": [2, 3]},
+    )
+
+
 @statements.query
 def locked(pk: int):
     return Attempt.objects.select_for_update().filter(pk=pk).values_list("state", flat=True)
@@ -236,6 +251,21 @@ def test_a_value_the_sql_transforms_is_refused_at_its_first_run(two_jobs):
         reason_has.rows(text="job")
 
 
+def test_a_json_constant_is_written_as_the_orm_writes_it(two_jobs):
+    _, attempts = two_jobs
+    Attempt.objects.filter(pk=attempts[2].pk).update(state="scheduled")
+    json_constant_written(attempts[2])
+
+
+def test_json_made_from_a_value_is_refused_at_its_first_run(two_jobs):
+    @statements.update
+    def noted(pk: int, note: str):
+        return Attempt.objects.filter(pk=pk), {"rank_status": {"note": note}}  # the value inside a constant
+
+    with pytest.raises(StatementError, match="none of its values"):
+        noted.update(pk=1, note="x")
+
+
 def test_a_value_used_nowhere_is_refused_at_its_first_run(two_jobs):
     @statements.query
     def ignores(pk: int, state: str):
@@ -313,6 +343,7 @@ PG_SCRIPT = textwrap.dedent(
         theirs = t.Attempt.objects.select_related(*t.RELATED).get(pk=attempt.pk)
         assert t.fields(mine) == t.fields(theirs) and t.fields(mine.job) == t.fields(theirs.job)
     assert t.attempts_of.rows(job_id=job.pk, state="failed") == [(1, "running")]
+    t.json_constant_written(make_attempt(make_job(project, user, name="job-1"), node, "scheduled"))  # a Jsonb
     since = timezone.now() - timezone.timedelta(minutes=1)
     assert [r["pk"] for r in t.started_since.rows(since=since)] == [a.pk, b.pk]
     now = timezone.now()
@@ -346,7 +377,7 @@ PG_SCRIPT = textwrap.dedent(
     with connection.cursor() as cursor:
         cursor.execute("SELECT statement FROM pg_prepared_statements")
         prepared = {row[0] for row in cursor.fetchall()}
-    ran = [t.attempt_with_job, t.attempts_of, t.started_since, t.end, t.locked, day_cost_added]
+    ran = [t.attempt_with_job, t.attempts_of, t.started_since, t.end, t.locked, day_cost_added, t.taken]
     texts = set()
     for st in ran:
         numbers = iter(range(1, 1000))

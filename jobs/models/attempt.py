@@ -117,11 +117,8 @@ class Attempt(models.Model):
         with transaction.atomic():
             # The first rank taken (every one-node attempt's only one): one conditional write. No
             # rank of a scheduled attempt has been taken, so its rank_status is this rank's alone.
-            first = {"rank_status": {str(rank): None}, "lease_expires_at": lease_from(now), "started_at": now}
-            if Attempt.objects.filter(pk=self.pk, state=AttemptState.SCHEDULED).update(
-                state=AttemptState.PREFLIGHT, **first
-            ):
-                self.rank_status = first["rank_status"]
+            if first_rank_taken(rank).update(pk=self.pk, now=now, lease_expires_at=lease_from(now)):
+                self.rank_status = {str(rank): None}
                 job_state_moved.update(pk=self.job_id, state=JobState.SCHEDULED, new_state=JobState.PREFLIGHT)
                 return True
             # Another rank of it was taken first (or it ended): read it under its lock.
@@ -266,6 +263,23 @@ def attempt_ended(from_states: tuple[str, ...]) -> statements.Statement:
         }
 
     return ended
+
+
+@functools.cache
+def first_rank_taken(rank: int) -> statements.Statement:
+    """A scheduled attempt taken by its first rank, this one (one statement for each rank
+    number: its rank_status is a constant of it)."""
+
+    @statements.update
+    def taken(pk: int, now: datetime, lease_expires_at: datetime):
+        return Attempt.objects.filter(pk=pk, state=AttemptState.SCHEDULED), {
+            "state": AttemptState.PREFLIGHT,
+            "rank_status": {str(rank): None},
+            "lease_expires_at": lease_expires_at,
+            "started_at": now,
+        }
+
+    return taken
 
 
 @statements.update
