@@ -365,17 +365,25 @@ def start_attempts(placements: list[Placement], nodes: dict[int, Node]) -> list[
     return placed
 
 
-def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:
-    ids = [p.job_id for p in placements]
-    # Each job still queued, locked, with the number of its latest attempt (one read).
+@statements.query
+def still_queued_locked(ids: list[int]):
+    """Of these jobs, those still queued, locked, each with the number of its latest attempt."""
     latest = Attempt.objects.filter(job_id=OuterRef("pk")).order_by("-number").values("number")[:1]
-    queued = Job.objects.select_for_update(no_key=True).filter(pk__in=ids, state=JobState.QUEUED)
-    rows = queued.annotate(latest=Subquery(latest)).values_list("pk", "queued_at", "latest")
+    queued = Job.objects.select_for_update(no_key=True).filter(pk__any=ids, state=JobState.QUEUED)
+    return queued.annotate(latest=Subquery(latest)).values_list("pk", "queued_at", "latest")
+
+
+@statements.update
+def jobs_scheduled(ids: list[int]):
+    """Queued jobs placed: only one still queued moves on (one cancelled meanwhile is left alone)."""
+    return Job.objects.filter(pk__any=ids, state=JobState.QUEUED), {"state": JobState.SCHEDULED}
+
+
+def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[Attempt]:
     jobs, numbers = {}, {}
-    for pk, queued_at, number in rows:
+    for pk, queued_at, number in still_queued_locked.rows(ids=[p.job_id for p in placements]):
         jobs[pk], numbers[pk] = queued_at, number
-    # Only jobs still queued move on: one cancelled meanwhile is left alone.
-    Job.objects.filter(pk__in=list(jobs), state=JobState.QUEUED).update(state=JobState.SCHEDULED)
+    jobs_scheduled.update(ids=list(jobs))
     now = timezone.now()
     attempts = [
         Attempt(
@@ -395,10 +403,8 @@ def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[At
     ]
     Attempt.objects.bulk_create(attempts)
     warm = {p.job_id: [nodes[n].name for n in p.warm] for p in placements}
-    JobEvent.objects.bulk_create(
-        JobEvent(job_id=a.job_id, attempt=a, kind="scheduled", message=describe_placement(a, warm.get(a.job_id)))
-        for a in attempts
-    )
+    events = [(a.job_id, a.pk, now, "scheduled", describe_placement(a, warm.get(a.job_id))) for a in attempts]
+    statements.insert(JobEvent, ("job_id", "attempt_id", "at", "kind", "message"), events)
     for a in attempts:
         for rank in a.placement:
             queue = nodes[rank["node_id"]].queue

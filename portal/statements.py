@@ -22,6 +22,8 @@ parses and plans it once there: portal/postgresql).
 
 What a statement may take, so that this stays exact:
 - values of the types in KINDS, each adapted as Django adapts that type for its field;
+  a list of ids (`list[int]`) only through the `__any` lookup (`AnyOf`, below): one SQL
+  text for any number of them, where `__in` writes one placeholder for each;
 - SQL that does not depend on the values: no None in a condition (that is IS NULL; an
   update's new value may be None where its type says `| None`), no list for __in
   (its length is in the SQL), no value an expression transforms (__contains adds %...%).
@@ -34,6 +36,7 @@ What a statement may take, so that this stays exact:
 
 import contextlib
 import inspect
+import json
 import threading
 import types
 import typing
@@ -42,8 +45,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.models import QuerySet
+from django.db import DEFAULT_DB_ALIAS, NotSupportedError, connections, transaction
+from django.db.models import IntegerField, Lookup, QuerySet
 from django.db.models.sql import UpdateQuery
 from django.db.models.sql.constants import ROW_COUNT
 from django.db.transaction import TransactionManagementError
@@ -93,6 +96,40 @@ def _adapt_date(value, connection):
     return connection.ops.adapt_datefield_value(value)
 
 
+def _ids(index: int, round_: int) -> list[int]:
+    return [_int(index, round_)]
+
+
+def _adapt_ids(value, connection):
+    return AnyOf.param(value, connection)
+
+
+@IntegerField.register_lookup
+class AnyOf(Lookup):
+    """`field__any=[1, 2, 3]`: the field is one of these integers, in one SQL text for any
+    number of them, so a statement can take the list (`list[int]`): PostgreSQL compares with
+    the array (`= ANY(%s)`), SQLite reads the list as JSON (`json_each`). An empty list matches
+    nothing."""
+
+    lookup_name = "any"
+    prepare_rhs = False
+
+    @staticmethod
+    def param(values, connection):
+        ids = [int(v) for v in values]
+        return ids if connection.vendor == "postgresql" else json.dumps(ids)
+
+    def as_sql(self, compiler, connection):
+        lhs, params = self.process_lhs(compiler, connection)
+        if connection.vendor == "postgresql":
+            sql = f"{lhs} = ANY(%s)"
+        elif connection.vendor == "sqlite":
+            sql = f"{lhs} IN (SELECT value FROM json_each(%s))"
+        else:
+            raise NotSupportedError(f"__any is written for PostgreSQL and SQLite, not {connection.vendor}")
+        return sql, [*params, self.param(self.rhs, connection)]
+
+
 # A value's type -> (its stand-ins, how Django adapts it for the database). The fields
 # of these types (IntegerField and its kin, CharField, TextField, FloatField,
 # DecimalField, DateTimeField, DateField) adapt a value of that type this way, in a
@@ -104,6 +141,7 @@ KINDS: dict[type, tuple[typing.Callable[[int, int], object], typing.Callable]] =
     Decimal: (_decimal, _as_is),
     datetime: (_datetime, _adapt_datetime),
     date: (_date, _adapt_date),
+    list[int]: (_ids, _adapt_ids),  # only in an __any lookup (its one parameter)
 }
 # Not taken for these types although instances of them: True for 1, a datetime for a day.
 REFUSED = {int: bool, date: datetime}
@@ -159,7 +197,7 @@ class Statement:
                     kind = kinds[0]
                     self.optional.add(index)
             if kind not in KINDS:
-                known = ", ".join(k.__name__ for k in KINDS)
+                known = ", ".join(_kind_name(k) for k in KINDS)
                 optional = " (or, a new value of an update, one of them | None)" if update else ""
                 raise StatementError(f"{build.__qualname__}: give {name} one of the types {known}{optional}")
             self.kinds.append(kind)
@@ -248,8 +286,8 @@ class Statement:
                 params[position] = None
                 continue
             kind = self.kinds[index]
-            if not isinstance(value, kind) or isinstance(value, REFUSED.get(kind, ())):
-                raise TypeError(f"{self!r}: {self.names[index]} must be {kind.__name__}, not {value!r}")
+            if not _of_kind(value, kind):
+                raise TypeError(f"{self!r}: {self.names[index]} must be {_kind_name(kind)}, not {value!r}")
             value = KINDS[kind][1](value, connection)
             params[position] = value if wrap is None else wrap(value)
         if compiled.locks and connection.features.has_select_for_update and connection.get_autocommit():
@@ -339,6 +377,16 @@ def _copy(kept):
     copied = object.__new__(type(kept))
     copied.__dict__.update(kept.__dict__)
     return copied
+
+
+def _of_kind(value, kind) -> bool:
+    if kind == list[int]:  # a list (or tuple) of integers, none of them a bool
+        return isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, kind) and not isinstance(value, REFUSED.get(kind, ()))
+
+
+def _kind_name(kind) -> str:
+    return str(kind) if typing.get_origin(kind) else kind.__name__
 
 
 def _same_constant(a, b) -> bool:

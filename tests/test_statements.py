@@ -66,6 +66,30 @@ def json_constant_written(attempt) -> None:
 
 
 @statements.query
+def states_of(ids: list[int]):
+    """A list of ids, in one SQL text for any number of them (the __any lookup)."""
+    return Attempt.objects.filter(pk__any=ids).order_by("pk").values_list("pk", "state")
+
+
+@statements.update
+def all_lost(ids: list[int], reason: str):
+    return Attempt.objects.filter(pk__any=ids, state="running"), {"state": "lost", "reason": reason}
+
+
+def lists_of_ids_give_what_in_gives(attempts) -> None:
+    ids = [a.pk for a in attempts]
+    for some in ([], ids[:1], ids, [*ids, 10**9], (ids[0], ids[-1])):
+        expected = list(Attempt.objects.filter(pk__in=some).order_by("pk").values_list("pk", "state"))
+        assert states_of.rows(ids=some) == expected
+        assert list(Attempt.objects.filter(pk__any=some).order_by("pk").values_list("pk", "state")) == expected
+    running = Attempt.objects.filter(pk__in=ids, state="running").count()
+    assert all_lost.update(ids=ids, reason="gone") == running > 0
+    assert all_lost.update(ids=ids, reason="again") == 0
+    assert all_lost.update(ids=[], reason="none") == 0
+    assert set(Attempt.objects.filter(reason="gone").values_list("state", flat=True)) == {"lost"}
+
+
+@statements.query
 def locked(pk: int):
     return Attempt.objects.select_for_update().filter(pk=pk).values_list("state", flat=True)
 
@@ -266,6 +290,23 @@ def test_json_made_from_a_value_is_refused_at_its_first_run(two_jobs):
         noted.update(pk=1, note="x")
 
 
+def test_a_list_of_ids_gives_what_in_gives_with_one_sql_text(two_jobs):
+    _, attempts = two_jobs
+    lists_of_ids_give_what_in_gives(attempts)
+    assert states_of.compiled["default"].sql.count("%s") == 1  # one parameter for the whole list
+
+
+def test_a_list_is_taken_only_by_the_any_lookup(two_jobs):
+    @statements.query
+    def listed(ids: list[int]):
+        return Attempt.objects.filter(pk__in=ids)  # one placeholder per id: the SQL depends on the list
+
+    with pytest.raises(StatementError, match="none of its values"):
+        listed.rows(ids=[1, 2])
+    with pytest.raises(TypeError, match=r"must be list\[int\]"):
+        states_of.rows(ids=[True])
+
+
 def test_a_value_used_nowhere_is_refused_at_its_first_run(two_jobs):
     @statements.query
     def ignores(pk: int, state: str):
@@ -344,6 +385,8 @@ PG_SCRIPT = textwrap.dedent(
         assert t.fields(mine) == t.fields(theirs) and t.fields(mine.job) == t.fields(theirs.job)
     assert t.attempts_of.rows(job_id=job.pk, state="failed") == [(1, "running")]
     t.json_constant_written(make_attempt(make_job(project, user, name="job-1"), node, "scheduled"))  # a Jsonb
+    t.lists_of_ids_give_what_in_gives([a, b])  # an array: = ANY(%s)
+    t.Attempt.objects.filter(pk=a.pk).update(state="running")
     since = timezone.now() - timezone.timedelta(minutes=1)
     assert [r["pk"] for r in t.started_since.rows(since=since)] == [a.pk, b.pk]
     now = timezone.now()
@@ -378,6 +421,7 @@ PG_SCRIPT = textwrap.dedent(
         cursor.execute("SELECT statement FROM pg_prepared_statements")
         prepared = {row[0] for row in cursor.fetchall()}
     ran = [t.attempt_with_job, t.attempts_of, t.started_since, t.end, t.locked, day_cost_added, t.taken]
+    ran += [t.states_of, t.all_lost]
     texts = set()
     for st in ran:
         numbers = iter(range(1, 1000))
