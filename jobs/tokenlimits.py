@@ -21,6 +21,7 @@ from rest_framework import exceptions, status
 
 from jobs.costs import Rate, attempt_cost
 from jobs.models import FINAL_JOB_STATES, Attempt, GpuRate, Job
+from portal import statements
 from portal.models import LIMIT_FIELDS, ApiToken
 
 NO_ESTIMATE_RETRY_SECONDS = 30
@@ -132,6 +133,12 @@ def frees(used: Usage, now: datetime) -> tuple[int, str]:
     return wait, f"one frees when a job ends: at the latest by {end:%Y-%m-%d %H:%M:%S} UTC (its max runtime)"
 
 
+@statements.query
+def limited_token(pk: int):
+    """The token, if it has a limit."""
+    return ApiToken.objects.filter(pk=pk).exclude(**{name: None for name in LIMIT_FIELDS}).values_list("pk")[:1]
+
+
 def check(token_id: int | None, gpus: int) -> None:
     """Refuse a submit over the token's limits (call inside the submit's transaction)."""
     if token_id is None:
@@ -140,8 +147,7 @@ def check(token_id: int | None, gpus: int) -> None:
     # before it): locking every token made an agent's parallel submits with one unlimited
     # token wait for each other (16 at once: ~48 ms each in the lock, bench/throughput.py).
     # A limit set while such a submit runs counts from the submits after it.
-    limited = ApiToken.objects.filter(pk=token_id).exclude(**{name: None for name in LIMIT_FIELDS})
-    if not limited.exists():
+    if limited_token.first(pk=token_id) is None:
         return
     token = ApiToken.objects.select_for_update().filter(pk=token_id).first()
     if token is None or not any(value is not None for value in token.limits.values()):
