@@ -10,7 +10,7 @@ from rest_framework.exceptions import ValidationError
 from jobs import pipelines, reproduce
 from jobs.models import AttemptState, FailureClass, Job, JobState, PipelineRun, PipelineStage, pipeline_state
 from tests.factories import api_client, make_attempt, make_job
-from tests.test_sandbox import as_root, shell
+from tests.test_sandbox import as_root, shell, uid_printed
 from tests.test_sandbox import run as run_sandboxed
 
 URL = "/api/v1/pipelines/"
@@ -330,7 +330,7 @@ def test_sandboxed_stages_of_their_own_uids_share_the_runs_directory(transaction
         "prepare": {"command": shell('echo 1 2 3 > "$HANGAR_PIPELINE_DIR/data"; id -u')},
         "train": {
             "needs": ["prepare"],
-            "command": shell('cat "$HANGAR_PIPELINE_DIR/data"; echo w > "$HANGAR_PIPELINE_DIR/m"'),
+            "command": shell('cat "$HANGAR_PIPELINE_DIR/data"; echo w > "$HANGAR_PIPELINE_DIR/m"; id -u'),
         },
     }
     run_ = pipelines.submit_pipeline(owner, {"project": "vision", "stages": stages}).run
@@ -338,14 +338,16 @@ def test_sandboxed_stages_of_their_own_uids_share_the_runs_directory(transaction
     try:
         attempt, lines = run_sandboxed(prepare)
         assert attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
+        prepared_as = uid_printed(lines)
         train.refresh_from_db()
         assert train.state == JobState.QUEUED
         attempt, lines = run_sandboxed(train)
         assert attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
         assert "1 2 3" in lines
+        trained_as = uid_printed(lines)
         directory = Path(run_.directory)
-        owners = {(directory / name).stat().st_uid for name in ("data", "m")}
-        assert owners == {200000 + prepare.pk, 200000 + train.pk}  # each stage its own uid, one directory
+        owners = [(directory / name).stat().st_uid for name in ("data", "m")]
+        assert owners == [prepared_as, trained_as] and prepared_as != trained_as  # each its own uid, one directory
     finally:
         shutil.rmtree(settings.HANGAR_PIPELINE_ROOT, ignore_errors=True)
 
