@@ -8,8 +8,8 @@ How the sandbox is built, and why in this order (see TRAPS.md):
 - the agent (root) drops to the job's uid with setpriv first, and bwrap then makes its
   namespaces unprivileged: bwrap started as root would map the job to root;
 - that setpriv also sets the parent-death signal, after the uid change (which clears it),
-  so the whole chain dies with the runner's thread from its first program on, before
-  bwrap's --die-with-parent; no program of its own is started for it (`leader_argv`);
+  so everything after it (env, bwrap, until its --die-with-parent) dies with the runner's
+  thread; no program of its own is started for it (`leader_argv`);
 - bwrap resolves every bind source as the job's uid, so the path to the job's directory
   must be searchable by it (`prepare_node` makes the data directory 0711, its files 0600);
 - the outer bwrap dies on SIGTERM and takes the sandbox with it, so it is started with
