@@ -165,9 +165,12 @@ def test_bwraps_exit_code_for_a_signal_is_the_signal_again():
 
 TOOLS = Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", "/usr/bin/prlimit")
 DEATH = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"]
-
-
 LIMIT = ["/usr/bin/prlimit", "--as=2097152:2097152", "--"]
+
+
+def as_uid(uid: int, groups: str = "--clear-groups") -> list[str]:
+    """One setpriv takes the uid, then sets the parent-death signal (the uid change clears it)."""
+    return ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", groups, "--pdeathsig", "KILL", "--"]
 
 
 @pytest.mark.parametrize(
@@ -175,41 +178,14 @@ LIMIT = ["/usr/bin/prlimit", "--as=2097152:2097152", "--"]
     [
         ({}, 0, TOOLS, 0, False, [*DEATH, "cmd"]),
         ({}, 2, TOOLS, 1000, False, [*LIMIT, *DEATH, "cmd"]),
-        # one setpriv: it sets the parent-death signal after the uid change, which clears it
-        (
-            {"user": 200007, "group": 200007, "extra_groups": []},
-            0,
-            TOOLS,
-            0,
-            False,
-            [
-                "/usr/bin/setpriv",
-                "--reuid=200007",
-                "--regid=200007",
-                "--clear-groups",
-                "--pdeathsig",
-                "KILL",
-                "--",
-                "cmd",
-            ],
-        ),
+        ({"user": 200007, "group": 200007, "extra_groups": []}, 0, TOOLS, 0, False, [*as_uid(200007), "cmd"]),
         (
             {"user": 1001, "group": 1001, "extra_groups": [27, 1001]},
             2,
             TOOLS,
             0,
             False,
-            [
-                *LIMIT,
-                "/usr/bin/setpriv",
-                "--reuid=1001",
-                "--regid=1001",
-                "--groups=27,1001",
-                "--pdeathsig",
-                "KILL",
-                "--",
-                "cmd",
-            ],
+            [*LIMIT, *as_uid(1001, "--groups=27,1001"), "cmd"],
         ),
         # a sandbox's argv sets the signal itself (bwrap_argv's setpriv): only the limit goes before it
         ({}, 0, TOOLS, 0, True, ["cmd"]),
