@@ -404,7 +404,7 @@ def _start_chunk(placements: list[Placement], nodes: dict[int, Node]) -> list[At
     Attempt.objects.bulk_create(attempts)
     warm = {p.job_id: [nodes[n].name for n in p.warm] for p in placements}
     events = [(a.job_id, a.pk, now, "scheduled", describe_placement(a, warm.get(a.job_id))) for a in attempts]
-    statements.insert(JobEvent, ("job_id", "attempt_id", "at", "kind", "message"), events)
+    JobEvent.insert_rows(events)
     for a in attempts:
         for rank in a.placement:
             queue = nodes[rank["node_id"]].queue

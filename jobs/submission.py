@@ -22,7 +22,7 @@ from jobs.api.capacity import node_sizes
 from jobs.api.costs import check_budget
 from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
 from jobs.models.environment import requirements_key, requirements_of
-from portal import statements, wakeup
+from portal import wakeup
 from portal.models import Project, Role, VolumeMode
 
 
@@ -206,8 +206,7 @@ def create(user, checked: dict) -> Job:
             sweep=checked.get("sweep"),  # a sweep's variant (jobs/sweeps.py)
             sweep_index=checked.get("sweep_index"),
         )
-        event = (job.pk, None, job.created_at, "submitted", f"by {job.submitted_by}")
-        statements.insert(JobEvent, ("job_id", "attempt_id", "at", "kind", "message"), [event])
+        JobEvent.insert_rows([(job.pk, None, job.created_at, "submitted", f"by {job.submitted_by}")])
         if job.snapshot is not None:
             job.snapshot.touch()  # retention counts from the last job that named it
         if job.state == JobState.BLOCKED:

@@ -216,8 +216,7 @@ class Attempt(models.Model):
             Job.objects.filter(pk=self.job_id).update(**update, state_reason=self.reason)
         else:
             job_over.update(pk=self.job_id, **update, now=now, exit_code=self.exit_code, reason=self.reason)
-        event = (self.job_id, self.pk, now, kind, self.reason)
-        statements.insert(JobEvent, ("job_id", "attempt_id", "at", "kind", "message"), [event])
+        JobEvent.insert_rows([(self.job_id, self.pk, now, kind, self.reason)])
         return JobMoved(state=update["state"], **moved)
 
     @classmethod
