@@ -104,12 +104,12 @@ def send(run_id: str, points: list[Point]) -> None:
     """Log the points to the run; MLflow failing is logged, never raised (the job runs on)."""
     if not points or not run_id:
         return
-    from mlflow.entities import Metric
-
     from jobs import tracking
 
     try:
-        c = tracking.client()
+        c = tracking.client()  # first: it imports MLflow
+        from mlflow.entities import Metric
+
         metrics = [Metric(p.name, p.value, p.ts_ms, p.step) for p in points]
         for start in range(0, len(metrics), MLFLOW_BATCH):
             c.log_batch(run_id, metrics=metrics[start : start + MLFLOW_BATCH])

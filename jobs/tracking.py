@@ -50,7 +50,13 @@ def enabled() -> bool:
 
 def client():
     """One MlflowClient per process. Its store is opened under `store_creation_lock`: the
-    first use of a database store creates its tables, which two processes must not do at once."""
+    first use of a database store creates its tables, which two processes must not do at once.
+
+    MLflow is imported here, under `_client_lock`, and nowhere before this returns: every other
+    MLflow import in Hangar comes after a call to it. Two threads importing MLflow's package at
+    once (the agent's warm-up, and a first job's `from mlflow... import`) meet in its circular
+    imports: Python breaks the deadlock by handing one of them a half-made module, and the
+    agent's every later job then ran untracked ("partially initialized module 'mlflow'")."""
     global _client
     with _client_lock:
         if _client is None:
@@ -177,9 +183,9 @@ def experiment_id(project_slug: str) -> str:
 
 
 def _find_or_create_experiment(name: str, project_slug: str) -> str:
+    c = client()  # first: it imports MLflow
     from mlflow.exceptions import MlflowException
 
-    c = client()
     found = c.get_experiment_by_name(name)
     if found is not None and found.lifecycle_stage == "active":
         return found.experiment_id
@@ -254,9 +260,9 @@ def run_update_of(pk: int):
 def database_store():
     """MLflow's SQLAlchemy store when the tracking URI is a database (Hangar writes its rows
     itself), None for a tracking server (MLflow's client calls it)."""
+    store = client()._tracking_client.store  # first: it imports MLflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    store = client()._tracking_client.store
     return store if isinstance(store, SqlAlchemyStore) else None
 
 
@@ -521,8 +527,9 @@ def tag_diagnosis(job_id: int, diagnosis: dict) -> None:
             "hangar.diagnosis": diagnosis["summary"][:4000],
             "hangar.diagnosis.hint": diagnosis["hint"][:4000],
         }
+        c = client()  # first: it imports MLflow
         from mlflow.entities import RunTag
 
-        client().log_batch(job.mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        c.log_batch(job.mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     except Exception as exc:
         _record_error(job_id, exc)

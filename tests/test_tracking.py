@@ -332,6 +332,52 @@ def test_a_hangar_process_outside_ci_starts_no_mlflow_telemetry(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "True"
 
 
+IMPORTS_BEFORE_THE_CLIENT = """
+import os, sys, types
+sys.path.insert(0, os.getcwd())
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+import django
+django.setup()
+from jobs import logmetrics, tracking
+
+seen = []
+
+def client():  # records whether MLflow was imported before the client, then stops the call
+    seen.append("mlflow" in sys.modules)
+    raise RuntimeError("stopped at the client")
+
+tracking.client = client
+one_job = types.SimpleNamespace(pk=1, mlflow_run_id="r1")
+query = types.SimpleNamespace(first=lambda: one_job, update=lambda **_: 0)
+tracking.Job = types.SimpleNamespace(objects=types.SimpleNamespace(filter=lambda **_: query))
+calls = {
+    "experiment": lambda: tracking.experiment_id("p"),
+    "store": tracking.database_store,
+    "metrics from the log": lambda: logmetrics.send("r1", [logmetrics.Point("loss", 1.0, 1, 0)]),
+    "diagnosis": lambda: tracking.tag_diagnosis(1, {"category": "c", "summary": "s", "hint": "h"}),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except RuntimeError:
+        pass
+    print(name, "imported MLflow first" if seen.pop() else "ok")
+"""
+
+
+def test_mlflow_is_imported_by_the_client_alone(tmp_path):
+    # An agent's MLflow warm-up thread imports MLflow in client(), under its lock. A job's thread
+    # that imported it too, at once, met it in MLflow's circular imports: Python handed one of them
+    # a half-made module, and every later job of that agent ran untracked. So no caller may import
+    # MLflow before client() has: here no MLflow module is loaded when each first calls it.
+    env = {**os.environ, "HANGAR_DATA_DIR": str(tmp_path), "HANGAR_MLFLOW": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS_BEFORE_THE_CLIENT], cwd=BASE_DIR, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["experiment ok", "store ok", "metrics from the log ok", "diagnosis ok"]
+
+
 OPEN_THE_STORE = """
 import os, sys, time
 sys.path.insert(0, os.getcwd())
