@@ -133,6 +133,18 @@ def test_the_embedded_store_is_written_ahead_so_readers_do_not_wait_for_writers(
     assert sqlite3.connect(tmp_path / "mlflow.db").execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
+def test_hangars_writes_on_the_embedded_store_keep_what_mlflows_sessions_set(mlflow_store):
+    # create_run and update_run write on the store's engine, not through MLflow's sessions,
+    # which set these on each use: every connection of the engine has them from its start.
+    from sqlalchemy import text
+
+    engine = tracking.database_store().engine
+    engine.dispose()  # a connection of its own, that no MLflow session has used yet
+    with engine.connect() as db:
+        assert db.execute(text("PRAGMA foreign_keys")).scalar() == 1
+        assert db.execute(text("PRAGMA busy_timeout")).scalar() == 20000
+
+
 def tracking_messages(settings) -> dict[str, dict]:
     """The messages waiting in the embedded broker for the notifier's tracking queue, by file
     (an earlier test's job may have had the same id)."""
