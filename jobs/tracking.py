@@ -150,6 +150,7 @@ def _sqlite_pragmas(connection, _record) -> None:
 
 
 _experiments: dict[tuple[str, str], str] = {}
+_experiments_lock = threading.Lock()
 
 
 @worker_ready.connect
@@ -179,11 +180,17 @@ def _warm() -> None:
 
 
 def experiment_id(project_slug: str) -> str:
-    """The project's experiment, created on first use; remembered per process (it saves a round trip per job)."""
+    """The project's experiment, created on first use; remembered per process (it saves a round trip per job).
+    Looked up by one thread while the others wait for it: an agent given eight jobs at once
+    looked it up eight times over (18-198 ms each, four agents at once), and created it as
+    many times when it was new."""
     key = (settings.MLFLOW_TRACKING_URI, project_slug)
-    if key not in _experiments:
-        _experiments[key] = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
-    return _experiments[key]
+    if (known := _experiments.get(key)) is not None:
+        return known
+    with _experiments_lock:
+        if key not in _experiments:
+            _experiments[key] = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
+        return _experiments[key]
 
 
 def _find_or_create_experiment(name: str, project_slug: str) -> str:
@@ -325,7 +332,7 @@ def create_run(experiment: str, name: str, tags: dict[str, str]) -> str:
 def forget_experiment(experiment: str) -> None:
     for key, known in list(_experiments.items()):
         if known == experiment:
-            del _experiments[key]
+            _experiments.pop(key, None)  # another thread may have forgotten it first
 
 
 def stage_tags(job: Job, experiment: str) -> dict[str, str]:

@@ -98,6 +98,28 @@ def test_a_run_hangar_updates_reads_back_as_one_mlflow_updated(mlflow_store):
         tracking.update_run(ours.info.run_id, {"hangar.state": "succeeded"}, "FINISHED")
 
 
+def test_jobs_starting_at_once_look_their_projects_experiment_up_once(settings, monkeypatch):
+    import threading
+
+    settings.MLFLOW_TRACKING_URI = "sqlite:////nonexistent/lookups.db"
+    looked_up = []
+
+    def slow_lookup(name, slug):
+        looked_up.append(name)
+        time.sleep(0.2)  # the others arrive while it runs
+        return "7"
+
+    monkeypatch.setattr(tracking, "_find_or_create_experiment", slow_lookup)
+    monkeypatch.setattr(tracking, "_experiments", {})
+    found = []
+    starts = [threading.Thread(target=lambda: found.append(tracking.experiment_id("vision"))) for _ in range(8)]
+    for thread in starts:
+        thread.start()
+    for thread in starts:
+        thread.join()
+    assert found == ["7"] * 8 and looked_up == ["hangar/vision"]
+
+
 def test_a_later_attempt_tags_the_same_run_which_runs_again(mlflow_store, job, node):
     first = runner_env(job, node)
     job.refresh_from_db()
