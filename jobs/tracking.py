@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 
 from celery.signals import worker_ready
 from django.conf import settings
@@ -150,7 +151,8 @@ def _sqlite_pragmas(connection, _record) -> None:
 
 
 _experiments: dict[tuple[str, str], str] = {}
-_experiments_lock = threading.Lock()
+_lookups: dict[tuple[str, str], Future] = {}  # experiments being looked up, by one thread each
+_lookups_lock = threading.Lock()
 
 
 @worker_ready.connect
@@ -181,16 +183,34 @@ def _warm() -> None:
 
 def experiment_id(project_slug: str) -> str:
     """The project's experiment, created on first use; remembered per process (it saves a round trip per job).
-    Looked up by one thread while the others wait for it: an agent given eight jobs at once
-    looked it up eight times over (18-198 ms each, four agents at once), and created it as
-    many times when it was new."""
+    Looked up by one thread while the others that need it meanwhile wait for its answer, or
+    its error (MLflow down: one wait for its timeout, not one each in turn): an agent given
+    eight jobs at once looked it up eight times (18-198 ms each, four agents at once), and
+    created it as many times when it was new."""
     key = (settings.MLFLOW_TRACKING_URI, project_slug)
     if (known := _experiments.get(key)) is not None:
         return known
-    with _experiments_lock:
-        if key not in _experiments:
-            _experiments[key] = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
-        return _experiments[key]
+    with _lookups_lock:
+        if (known := _experiments.get(key)) is not None:
+            return known
+        lookup, mine = _lookups.get(key), False
+        if lookup is None:
+            lookup, mine = Future(), True
+            _lookups[key] = lookup
+    if not mine:
+        return lookup.result()  # raises the lookup's error
+    try:
+        found = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
+    except BaseException as exc:
+        lookup.set_exception(exc)
+        raise
+    else:
+        _experiments[key] = found
+        lookup.set_result(found)
+        return found
+    finally:
+        with _lookups_lock:
+            del _lookups[key]  # a later call finds the answer kept, or (after an error) looks again
 
 
 def _find_or_create_experiment(name: str, project_slug: str) -> str:

@@ -120,6 +120,39 @@ def test_jobs_starting_at_once_look_their_projects_experiment_up_once(settings, 
     assert found == ["7"] * 8 and looked_up == ["hangar/vision"]
 
 
+def test_jobs_starting_at_once_share_one_failed_lookup_and_the_next_job_looks_again(settings, monkeypatch):
+    # MLflow down: the jobs waiting on the lookup get its error at once, not a timeout each in turn.
+    import threading
+
+    settings.MLFLOW_TRACKING_URI = "sqlite:////nonexistent/lookups.db"
+    looked_up = []
+
+    def unreachable(name, slug):
+        looked_up.append(name)
+        time.sleep(0.3)
+        raise ConnectionError("MLflow is down")
+
+    monkeypatch.setattr(tracking, "_find_or_create_experiment", unreachable)
+    monkeypatch.setattr(tracking, "_experiments", {})
+    errors = []
+
+    def start():
+        try:
+            tracking.experiment_id("vision")
+        except ConnectionError as exc:
+            errors.append(str(exc))
+
+    starts = [threading.Thread(target=start) for _ in range(8)]
+    for thread in starts:
+        thread.start()
+    for thread in starts:
+        thread.join()
+    assert errors == ["MLflow is down"] * 8 and looked_up == ["hangar/vision"]  # one wait, not eight in turn
+    with pytest.raises(ConnectionError):
+        tracking.experiment_id("vision")
+    assert len(looked_up) == 2 and tracking._lookups == {}
+
+
 def test_a_later_attempt_tags_the_same_run_which_runs_again(mlflow_store, job, node):
     first = runner_env(job, node)
     job.refresh_from_db()
