@@ -108,7 +108,10 @@ def insert_rows(rows: list) -> None:
     """
     table = LogLine._meta.db_table
     if connection.vendor == "postgresql" and len(rows) >= COPY_MIN_ROWS:
-        with connection.cursor() as cursor:
+        # The driver's own cursor: its errors are made Django's here, as a query's are, or a
+        # connection lost in mid-COPY was not a DatabaseError to the writer (which spools on
+        # one) and its storer thread died with the batch.
+        with connection.cursor() as cursor, connection.wrap_database_errors:
             with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
                 for r in rows:
                     copy.write_row(r.columns(r.ts))

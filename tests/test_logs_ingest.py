@@ -3,6 +3,9 @@ storage, the fence, and the disk spool while the database is unreachable."""
 
 import os
 import queue
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -15,6 +18,7 @@ from agent.output import LogWriter
 from jobs.logparse import TRUNCATION_MARKER, SeverityReader, is_fault
 from jobs.models import Attempt, LogLine, Severity, Stream
 from tests.factories import make_attempt, make_job, make_node
+from tests.livestack import BASE_DIR
 
 TRACEBACK = [
     ("step 3", Severity.INFO),
@@ -505,3 +509,48 @@ def test_lines_spooled_while_cut_off_are_stored_late_into_an_attempt_that_ended_
     assert "could not reach the database from" in lines[-1].text and "the 30 lines it printed" in lines[-1].text
     assert [line.seq for line in lines] == list(range(1, 32))
     assert not writer.refused and not writer.spool.path.exists()
+
+
+COPY_REFUSED = textwrap.dedent(
+    """
+    import django
+    django.setup()
+    from django.core.management import call_command
+    call_command("migrate", verbosity=0)
+    from django.db import DatabaseError, connection
+    from django.utils import timezone
+    from agent import output
+    from jobs.logstore import COPY_MIN_ROWS
+    from jobs.models import LogLine
+    from tests.factories import make_attempt, make_job, make_node, make_project, make_user
+    from tests.test_logs_ingest import new_lines
+    assert connection.vendor == "postgresql", connection.vendor
+    user = make_user("ada"); project = make_project("vision", admin=user)
+    attempt = make_attempt(make_job(project, user), make_node("node-a"), "running", running_at=timezone.now())
+    texts = [f"line {i}" for i in range(COPY_MIN_ROWS)]
+    output.store_lines(attempt.pk, new_lines(attempt, texts), fresh=True)
+    try:  # the same lines again, said to be new, through COPY: the constraints refuse them
+        output.store_lines(attempt.pk, new_lines(attempt, texts), fresh=True)
+    except DatabaseError as exc:
+        print("refused as", type(exc).__name__)
+    assert LogLine.objects.filter(attempt=attempt).count() == COPY_MIN_ROWS
+    """
+)
+
+
+def test_a_copy_the_database_refuses_is_a_database_error_the_writer_spools_on():
+    """Large batches go in by COPY on PostgreSQL, through the driver's cursor: its error must be
+    Django's, which the writer spools on (its storer thread died of the driver's own, lines lost)."""
+    from tests.factories import services_database
+
+    with services_database() as env:
+        run = subprocess.run(
+            [sys.executable, "-c", COPY_REFUSED],
+            cwd=BASE_DIR,
+            env={**os.environ, **env, "DJANGO_SETTINGS_MODULE": "portal.settings"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "refused as IntegrityError" in run.stdout
