@@ -176,6 +176,9 @@ class LogWriter(threading.Thread):
         self.rank = rank
         self.node_id = attempt.node_id if node_id is None else node_id
         self.seq = 0  # the last seq this writer stored
+        # A one-rank attempt's lines are this writer's alone: after each batch it stored, it
+        # knows the attempt's last seq (jobs/logstore.py `last`).
+        self.sole_writer = len(attempt.ranks) <= 1
         self.open_streams = 0  # streams expected and not ended yet (below 0: ended before they were expected)
         self.streams_lock = threading.Lock()
         self.streams_done = threading.Event()
@@ -420,7 +423,8 @@ class LogWriter(threading.Thread):
         the attempt ended). Those are stored late into their attempt, as a dead agent's spools
         are; what the rank prints after it was told is refused (the fence) while it is stopped."""
         try:
-            self.seq = store_lines(self.attempt.pk, rows, fresh=not spooled)
+            known = self.seq if self.sole_writer and not spooled else None
+            self.seq = store_lines(self.attempt.pk, rows, fresh=not spooled, last=known)
         except AttemptNotCurrent:
             self.ended_seen_at = self.ended_seen_at or timezone.now()
             before = rows if spooled else [r for r in rows if r.ts <= self.ended_seen_at]

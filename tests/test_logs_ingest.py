@@ -155,9 +155,20 @@ def test_a_line_over_the_limit_is_stored_cut_with_a_marker(attempt, settings):
     assert texts == ["short", "x" * 256 + TRUNCATION_MARKER, "\ufffd\ufffd tail"]
 
 
+def four_ranks(attempt: Attempt, node_b) -> Attempt:
+    """The attempt placed as four ranks, two on each node (its writers are not its only one)."""
+    nodes = [attempt.node, node_b]
+    attempt.placement = [
+        {"rank": r, "node_id": nodes[r % 2].pk, "node": nodes[r % 2].name, "gpus": [r // 2]} for r in range(4)
+    ]
+    attempt.save(update_fields=["placement"])
+    return attempt
+
+
 @pytest.mark.django_db(transaction=True)
 def test_ranks_on_several_nodes_share_one_gap_free_sequence(attempt):
     node_b = make_node("node-b")
+    attempt = four_ranks(attempt, node_b)
     per_rank = 300
     writers = [
         threading.Thread(
@@ -276,6 +287,43 @@ def test_a_fresh_batch_skips_the_look_for_stored_lines_and_a_resent_one_does_not
         last = logingest.store_lines(attempt.pk, new_lines(attempt, texts))
 
     assert last == 10 and [line.text for line in stored(attempt)] == texts
+
+
+def test_the_only_writer_numbers_from_the_last_seq_it_was_given(attempt, django_assert_num_queries):
+    first, second = new_lines(attempt, ["a", "b", "c"])[:2], new_lines(attempt, ["a", "b", "c"])[2:]
+    logingest.store_lines(attempt.pk, first, fresh=True)
+    # Inside the test's transaction: a savepoint and its release, the fence and the insert: no look
+    # for the last seq, the writer says it.
+    with django_assert_num_queries(4):
+        last = logingest.store_lines(attempt.pk, second, fresh=True, last=2)
+
+    assert last == 3 and [(line.seq, line.text) for line in stored(attempt)] == [(1, "a"), (2, "b"), (3, "c")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_one_rank_attempts_writer_gives_the_last_seq_it_stored_and_a_rank_of_several_does_not(attempt, monkeypatch):
+    real, given = logingest.store_lines, []
+
+    def recording(attempt_id, rows, **kwargs):
+        given.append((rows[0].rank, kwargs.get("last")))
+        return real(attempt_id, rows, **kwargs)
+
+    monkeypatch.setattr(logingest, "store_lines", recording)
+    q: queue.Queue = queue.Queue()
+    writer = LogWriter(attempt, q)
+    writer.start()
+    q.put((Stream.STDOUT, timezone.now(), b"one\n", False))
+    deadline = time.monotonic() + 10
+    while writer.batches < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.put((Stream.STDOUT, timezone.now(), b"two\n", False))
+    writer.close()
+    assert given == [(0, 0), (0, 1)]  # its first batch with none stored, its second after seq 1
+
+    given.clear()
+    attempt = four_ranks(attempt, make_node("node-b"))
+    write(attempt, [b"three\n"], rank=1)
+    assert given == [(1, None)]  # the other ranks' writers number lines of the same attempt
 
 
 @pytest.mark.django_db(transaction=True)
