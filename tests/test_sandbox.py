@@ -300,8 +300,8 @@ def run(job: Job):
 
 def uid_printed(lines: list[str]) -> int:
     """The uid a job ran as, from its own `id -u`: 200000 + its id, or the next free one when
-    another process on this machine holds that one (a parallel test's job: ids repeat across
-    the test workers' databases; agent/sandbox.job_uid)."""
+    another process on this machine holds that one (a job of a sandboxed live stack another
+    test runs, whose ids start at 1; agent/sandbox.job_uid)."""
     uid = int(next(line for line in lines if line.strip().isdigit()))
     assert 200000 <= uid <= 299999
     return uid
