@@ -1,6 +1,8 @@
 """Small factories for test data (users, projects, nodes, jobs, attempts) and API clients."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -11,7 +13,7 @@ from rest_framework.test import APIClient
 from fleet.models import GPU, Node
 from jobs.models import Attempt, Job
 from portal.models import ApiToken, Membership, Project
-from tests.livestack import ServicesDatabase
+from tests.livestack import BASE_DIR, ServicesDatabase
 
 
 def make_user(username: str, **extra):
@@ -98,6 +100,20 @@ def services_database() -> ServicesDatabase:
             pytest.fail(f"services mode must run in CI: {missing}")
         pytest.skip(missing)
     return services
+
+
+def on_postgresql(script: str, **env: str) -> subprocess.CompletedProcess:
+    """Run a Python script (Django set up by it) on a PostgreSQL database of its own: the
+    suite's database is SQLite. Skipped, or failed under CI, as services_database says."""
+    with services_database() as services:
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=BASE_DIR,
+            env={**os.environ, **services, "DJANGO_SETTINGS_MODULE": "portal.settings", **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
 
 def in_thread(call, results: list) -> threading.Thread:

@@ -3,8 +3,6 @@ storage, the fence, and the disk spool while the database is unreachable."""
 
 import os
 import queue
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -18,7 +16,6 @@ from agent.output import LogWriter
 from jobs.logparse import TRUNCATION_MARKER, SeverityReader, is_fault
 from jobs.models import Attempt, LogLine, Severity, Stream
 from tests.factories import make_attempt, make_job, make_node
-from tests.livestack import BASE_DIR
 
 TRACEBACK = [
     ("step 3", Severity.INFO),
@@ -589,16 +586,8 @@ COPY_REFUSED = textwrap.dedent(
 def test_a_copy_the_database_refuses_is_a_database_error_the_writer_spools_on():
     """Large batches go in by COPY on PostgreSQL, through the driver's cursor: its error must be
     Django's, which the writer spools on (its storer thread died of the driver's own, lines lost)."""
-    from tests.factories import services_database
+    from tests.factories import on_postgresql
 
-    with services_database() as env:
-        run = subprocess.run(
-            [sys.executable, "-c", COPY_REFUSED],
-            cwd=BASE_DIR,
-            env={**os.environ, **env, "DJANGO_SETTINGS_MODULE": "portal.settings"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    run = on_postgresql(COPY_REFUSED)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "refused as IntegrityError" in run.stdout

@@ -1,9 +1,6 @@
 """Statements compiled once (portal/statements.py): run again with other values, they give
 what the ORM gives, and they refuse what they cannot follow."""
 
-import os
-import subprocess
-import sys
 import textwrap
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -19,7 +16,6 @@ from jobs.models import Attempt, Job
 from portal import statements
 from portal.statements import StatementError
 from tests.factories import in_thread, make_attempt, make_job, make_node, make_project, make_user
-from tests.livestack import BASE_DIR
 
 RELATED = ("job", "node", "job__project", "job__submitted_by")
 
@@ -441,16 +437,8 @@ PG_SCRIPT = textwrap.dedent(
 def test_statements_give_what_the_orm_gives_on_postgresql(prepared):
     """The suite's database is SQLite: the same statements on a PostgreSQL database of their own,
     prepared on their connection (HANGAR_DB_PREPARED, on by default) or not."""
-    from tests.factories import services_database
+    from tests.factories import on_postgresql
 
-    with services_database() as env:
-        run = subprocess.run(
-            [sys.executable, "-c", PG_SCRIPT],
-            cwd=BASE_DIR,
-            env={**os.environ, **env, "DJANGO_SETTINGS_MODULE": "portal.settings", "HANGAR_DB_PREPARED": prepared},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    run = on_postgresql(PG_SCRIPT, HANGAR_DB_PREPARED=prepared)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "statements on postgresql: ok" in run.stdout
