@@ -13,18 +13,31 @@ Last line: mode=... p50_ms=... p95_ms=... celery_p50_ms=... ratio=...
 With --sandbox both (as root, with bubblewrap) one stack runs two agents, one that
 sandboxes its jobs (own uid, bubblewrap) and one that does not, and times their jobs
 in turns. Last line: p50_on_ms=... p50_off_ms=... added_p50_ms=... (goal: at most 15).
+
+With --against DIR a second whole stack runs the code of another checkout (DIR: another
+commit's `git worktree`, on this one's virtualenv), on a database and broker prefix of its
+own, and the two stacks' jobs are timed in turns, one each, in alternating order. Runs on
+this machine differ by more than most changes do (the same commit's p50 read 37.6 and 49.6
+ms in two runs a minute apart); in turns both sides share each minute's speed, and the
+paired difference (this checkout's job minus the other's next to it) found a 3 ms sleep
+added to the agent within 0.1 ms over 60 pairs. Last line: mode=... jobs=... p50_ms=...
+against_p50_ms=... paired_diff_p50_ms=... paired_diff_mean_ms=...
 """
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The code timed: this checkout's, or (the other side of --against, `--turns --code DIR`) another's.
+CODE = Path(sys.argv[sys.argv.index("--code") + 1] if "--code" in sys.argv else Path(__file__).parent.parent)
+sys.path.insert(0, str(CODE.resolve()))
 
 from tests.livestack import UNSANDBOXED  # noqa: E402
 
@@ -90,10 +103,17 @@ def main() -> None:
     parser.add_argument(
         "--sandbox", choices=["both", "on", "off"], default=None, help="time jobs with the job sandbox on, off or both"
     )
+    parser.add_argument("--against", metavar="DIR", help="time jobs in turns with a stack of another checkout's code")
+    parser.add_argument("--turns", action="store_true", help=argparse.SUPPRESS)  # --against's other side
+    parser.add_argument("--code", help=argparse.SUPPRESS)  # read before the imports (CODE)
     args = parser.parse_args()
     count = args.jobs or (10 if args.quick else 50)
     if args.sandbox is not None:
         return sandbox_bench(args.sandbox, count)
+    if args.turns:
+        return take_turns()
+    if args.against:
+        return against(Path(args.against).resolve(), count)
 
     data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
     os.environ["HANGAR_DATA_DIR"] = data_dir
@@ -126,6 +146,108 @@ def main() -> None:
         f"mode={mode} jobs={count} p50_ms={p50:.1f} p95_ms={p95:.1f} "
         f"celery_p50_ms={c50:.1f} celery_p95_ms={c95:.1f} ratio={p50 / c50:.2f}"
     )
+
+
+def take_turns() -> None:
+    """--against's other side: a stack of CODE's; one job timed for each `go` read from stdin."""
+    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
+    os.environ["HANGAR_DATA_DIR"] = data_dir
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    from tests.livestack import LiveStack
+
+    with LiveStack(data_dir=data_dir) as stack:
+        time_jobs(stack, 2)  # warm up: imports, connections
+        print("ready", flush=True)
+        for _ in sys.stdin:
+            stages: list[dict] = []
+            (took,) = time_jobs(stack, 1, stages=stages)
+            print(json.dumps({"ms": took, "stages": stages[0]}), flush=True)
+
+
+def against(other: Path, count: int) -> None:
+    """This checkout's stack and another's (`take_turns` in a process of its own, on a database
+    and a broker prefix of its own), both up for the whole run; one job each in turn."""
+    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
+    os.environ["HANGAR_DATA_DIR"] = data_dir
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    from tests.livestack import LiveStack
+
+    mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
+    env = {**os.environ, "HANGAR_DATA_DIR": tempfile.mkdtemp(prefix="hangar-bench-against-")}
+    env["HANGAR_REDIS_PREFIX"] = f"{settings.REDIS_PREFIX}-against"
+    database = None if mode == "embedded" else OwnDatabase(os.environ["DATABASE_URL"], "against")
+    if database is not None:
+        env["DATABASE_URL"] = database.create()
+    side = [sys.executable, str(Path(__file__).resolve()), "--turns", "--code", str(other)]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    timings: dict[str, list[float]] = {"this": [], "against": []}
+    stages: dict[str, list[dict]] = {"this": [], "against": []}
+    try:
+        with (
+            subprocess.Popen(side, cwd=other, env=env, **pipes) as turns,
+            LiveStack(data_dir=data_dir) as stack,
+        ):
+            time_jobs(stack, 2)  # warm up: imports, connections
+            if turns.stdout.readline().strip() != "ready":
+                raise SystemExit(f"the stack of {other} did not start (its output is above)")
+            for i in range(count):
+                for side_name in ("this", "against") if i % 2 == 0 else ("against", "this"):
+                    if side_name == "this":
+                        timings["this"] += time_jobs(stack, 1, stages=stages["this"])
+                        continue
+                    turns.stdin.write("go\n")
+                    turns.stdin.flush()
+                    answer = json.loads(turns.stdout.readline())
+                    timings["against"].append(answer["ms"])
+                    stages["against"].append(answer["stages"])
+            turns.stdin.close()
+    finally:
+        if database is not None:
+            database.drop()
+    paired = [a - b for a, b in zip(timings["this"], timings["against"], strict=True)]
+    for side_name, label in (("this", "this checkout"), ("against", str(other))):
+        split = ", ".join(
+            f"{name} {percentile([s[name] for s in stages[side_name]], 50):.1f}" for name in stages[side_name][0]
+        )
+        print(f"{label}: p50 {percentile(timings[side_name], 50):.1f} ms; from the rows' timestamps, p50 ms: {split}")
+    print(
+        f"mode={mode} jobs={count} p50_ms={percentile(timings['this'], 50):.1f} "
+        f"against_p50_ms={percentile(timings['against'], 50):.1f} "
+        f"paired_diff_p50_ms={statistics.median(paired):.2f} paired_diff_mean_ms={statistics.mean(paired):.2f}"
+    )
+
+
+class OwnDatabase:
+    """A database of its own next to DATABASE_URL's, on the same PostgreSQL server (dropped after)."""
+
+    def __init__(self, url: str, suffix: str):
+        base, _, name = url.rpartition("/")
+        name, _, query = name.partition("?")
+        self.name = f"{name}_{suffix}"
+        self.admin_url = url
+        self.url = f"{base}/{self.name}" + (f"?{query}" if query else "")
+
+    def create(self) -> str:
+        import psycopg
+
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{self.name}"')
+        return self.url
+
+    def drop(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
 SANDBOX_ENV = {
