@@ -150,6 +150,19 @@ def node_caches(nodes: list[Node], heard_since: datetime) -> dict[int, frozenset
     return {n.pk: frozenset(keys[n.pk]) for n in nodes}
 
 
+def nodes_offer(
+    jobs: list[QueuedJob], nodes: list[Node], heard_since: datetime
+) -> tuple[dict[int, frozenset[str]], dict[int, frozenset[str]]]:
+    """The environments and cached environments of the nodes, each read only when a job of the
+    pass asks for one: a plan looks at a node's environments for a job that names one, and at
+    its caches for one with requirements (warm-cache affinity). Most queues ask for neither, and
+    a pass then sends three statements fewer (of twelve placing one job; over a thousand nodes,
+    the two largest reads after the queue)."""
+    envs = node_environments(nodes, heard_since) if any(j.request.environment for j in jobs) else {}
+    caches = node_caches(nodes, heard_since) if any(j.request.env_key for j in jobs) else {}
+    return envs, caches
+
+
 def free_gpus(
     nodes: list[Node],
     running: list[RunningAttempt],
@@ -168,7 +181,7 @@ def free_gpus(
             n.pk,
             n.gpu_model,
             [i for i in range(n.gpu_count) if i not in used[n.pk]],
-            envs[n.pk],
+            envs.get(n.pk, frozenset()),
             n.gpu_count,
             caches.get(n.pk, frozenset()),
         )
@@ -341,7 +354,8 @@ def _schedule_pass() -> tuple[list[Attempt], float]:
             return [], locked
         running = running_attempts()
         mark_borrowed(running, projects)  # by the quotas as they are now
-        free = free_gpus(nodes, running, node_environments(nodes, heard_since), node_caches(nodes, heard_since))
+        envs, caches = nodes_offer(jobs, nodes, heard_since)
+        free = free_gpus(nodes, running, envs, caches)
         decided = plan(jobs, free, running, projects)
         placed = start_attempts(decided.placements, {n.pk: n for n in nodes})
         waiting = still_queued(set(decided.preemptions.values()))
@@ -471,12 +485,13 @@ def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     now = now or timezone.now()
     heard_since = heard_since_now()
     nodes = list(Node.objects.schedulable(heard_since).order_by("pk"))
-    running, projects, envs = running_attempts(now), project_limits(), node_environments(nodes, heard_since)
+    running, projects = running_attempts(now), project_limits()
     mark_borrowed(running, projects)
     jobs = queued_jobs()
+    envs, caches = nodes_offer(jobs, nodes, heard_since)
     unready = unready_nodes({n.pk for n in nodes})
-    decided = plan(jobs, free_gpus(nodes, running, envs), running, projects)
-    starts = estimate_starts(jobs, free_gpus(nodes, running, envs), running)
+    decided = plan(jobs, free_gpus(nodes, running, envs, caches), running, projects)
+    starts = estimate_starts(jobs, free_gpus(nodes, running, envs, caches), running)
     starting = {p.job_id for p in decided.placements}
     rows = []
     for position, job in enumerate(jobs, start=1):

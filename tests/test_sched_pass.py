@@ -302,3 +302,25 @@ def test_a_pass_on_a_cordoned_fleet_reads_no_queue(project, owner, node):
     with CaptureQueriesContext(connection) as queries:
         assert schedule_pass() == []
     assert not any("jobs_job" in q["sql"] for q in queries.captured_queries)
+
+
+def test_a_pass_reads_environments_and_caches_only_for_a_job_that_asks(project, owner, node, run_pass):
+    """A plan looks at nodes' environments for a job naming one, at their caches for one with
+    requirements: a queue of neither (most) leaves both unread."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def tables_read(**fields) -> str:
+        make_job(project, owner, **fields)
+        with CaptureQueriesContext(connection) as queries:
+            (attempt,) = run_pass()
+        attempt.finish(AttemptState.SUCCEEDED)  # its GPUs free for the next
+        return " ".join(q["sql"] for q in queries.captured_queries)
+
+    plain = tables_read()
+    assert "everywhere" not in plain and "jobs_environment_nodes" not in plain
+    assert "fleet_cachedenvironment" not in plain
+    named = tables_read(environment=Environment.objects.create(name="torch1", everywhere=True))
+    assert "everywhere" in named and "jobs_environment_nodes" in named and "fleet_cachedenvironment" not in named
+    cached = tables_read(requirements=["numpy"], requirements_key="k" * 64)
+    assert "fleet_cachedenvironment" in cached
