@@ -178,10 +178,10 @@ def against(other: Path, count: int) -> None:
     django.setup()
     from django.conf import settings
 
-    from tests.livestack import LiveStack
+    from tests.livestack import LiveStack, stack_env
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
-    env = {**os.environ, "HANGAR_DATA_DIR": tempfile.mkdtemp(prefix="hangar-bench-against-")}
+    env = {**stack_env(), "HANGAR_DATA_DIR": tempfile.mkdtemp(prefix="hangar-bench-against-")}
     env["HANGAR_REDIS_PREFIX"] = f"{settings.REDIS_PREFIX}-against"
     database = None if mode == "embedded" else OwnDatabase(os.environ["DATABASE_URL"], "against")
     if database is not None:
