@@ -19,8 +19,9 @@ commit's `git worktree`, on this one's virtualenv), on a database and broker pre
 own, and the two stacks' jobs are timed in turns, one each, in alternating order. Runs on
 this machine differ by more than most changes do (the same commit's p50 read 37.6 and 49.6
 ms in two runs a minute apart); in turns both sides share each minute's speed, and the
-paired difference (this checkout's job minus the other's next to it) found a 3 ms sleep
-added to the agent within 0.1 ms over 60 pairs. Last line: mode=... jobs=... p50_ms=...
+paired difference (this checkout's job minus the other's next to it) read a 3 ms sleep
+added to the agent's start as +4.7 ms (p50; mean +4.0) over 60 pairs, and the same code
+on both sides as -1.2 ms over 40. Last line: mode=... jobs=... p50_ms=...
 against_p50_ms=... paired_diff_p50_ms=... paired_diff_mean_ms=...
 """
 
@@ -196,8 +197,7 @@ def against(other: Path, count: int) -> None:
             LiveStack(data_dir=data_dir) as stack,
         ):
             time_jobs(stack, 2)  # warm up: imports, connections
-            if turns.stdout.readline().strip() != "ready":
-                raise SystemExit(f"the stack of {other} did not start (its output is above)")
+            said(turns, other, "ready")
             for i in range(count):
                 for side_name in ("this", "against") if i % 2 == 0 else ("against", "this"):
                     if side_name == "this":
@@ -205,7 +205,7 @@ def against(other: Path, count: int) -> None:
                         continue
                     turns.stdin.write("go\n")
                     turns.stdin.flush()
-                    answer = json.loads(turns.stdout.readline())
+                    answer = json.loads(said(turns, other, "{"))
                     timings["against"].append(answer["ms"])
                     stages["against"].append(answer["stages"])
             turns.stdin.close()
@@ -223,6 +223,15 @@ def against(other: Path, count: int) -> None:
         f"against_p50_ms={percentile(timings['against'], 50):.1f} "
         f"paired_diff_p50_ms={statistics.median(paired):.2f} paired_diff_mean_ms={statistics.mean(paired):.2f}"
     )
+
+
+def said(turns: subprocess.Popen, other: Path, start: str) -> str:
+    """The other side's next line that starts with `start`; what else it prints goes to stderr."""
+    while line := turns.stdout.readline():
+        if line.startswith(start):
+            return line
+        sys.stderr.write(line)
+    raise SystemExit(f"the stack of {other} stopped (exit {turns.wait()}; its output is above)")
 
 
 class OwnDatabase:

@@ -156,8 +156,7 @@ def nodes_offer(
     """The environments and cached environments of the nodes, each read only when a job of the
     pass asks for one: a plan looks at a node's environments for a job that names one, and at
     its caches for one with requirements (warm-cache affinity). Most queues ask for neither, and
-    a pass then sends three statements fewer (of twelve placing one job; over a thousand nodes,
-    the two largest reads after the queue)."""
+    a pass then sends three statements fewer (of twelve placing one job)."""
     envs = node_environments(nodes, heard_since) if any(j.request.environment for j in jobs) else {}
     caches = node_caches(nodes, heard_since) if any(j.request.env_key for j in jobs) else {}
     return envs, caches
