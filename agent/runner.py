@@ -179,6 +179,8 @@ class Runner:
         self.environment: envcache.Prepared | None = None  # its cached environment, held while it runs
         self.ray = self.job.launcher == Launcher.RAY
         self.ray_driver_started = False  # rank 0 of a Ray job: every node joined, the driver was let start
+        self.sandbox_info: int | None = None  # the read end of bwrap's --info-fd, until job_group reads it
+        self.sandbox_group: int | None = None  # the sandbox's process group (its init's pid), once read
 
     @property
     def world_size(self) -> int:
@@ -200,6 +202,8 @@ class Runner:
                 self.writer.close()
             self.stop_keeping_lease()
             self.stop_reaper()
+            if self.sandbox_info is not None:
+                os.close(self.sandbox_info)
             if self.job.code:
                 snapshots.remove_copy(self.workdir())  # its process group is gone (terminate, exited)
             if self.environment is not None:
@@ -450,25 +454,36 @@ class Runner:
         if self.ray:
             argv, env = self.ray_rank(argv, env)
         boxed = self.launch is not None and self.launch.box is not None and not container
-        if self.launch is not None and not container:
-            argv, env = self.launch.wrap(argv, env, self.workdir())
-        popen_user = environments.popen_user(self.job, user) if self.launch is None else self.launch.popen_user()
-        popen_user = popen_user if not container else {}
-        limit = settings.HANGAR_JOB_MEMORY_LIMIT_MB
-        leader = sandbox.leader_argv(argv, popen_user, limit, sandbox.tools(), dies_with_parent=boxed)
-        if leader is not None:
-            spawn = {"args": leader}  # spawned with vfork (see leader_argv)
-        else:  # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG
-            spawn = {"args": argv, "preexec_fn": job_preexec(limit), **popen_user}
-        proc = subprocess.Popen(
-            env=env,
-            cwd=self.workdir(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group, so cancel reaches every child
-            **spawn,
-        )
+        info = os.pipe() if boxed else None  # bwrap's --info-fd: its init's pid (job_group)
+        try:
+            if self.launch is not None and not container:
+                argv, env = self.launch.wrap(argv, env, self.workdir(), info[1] if info else None)
+            popen_user = environments.popen_user(self.job, user) if self.launch is None else self.launch.popen_user()
+            popen_user = popen_user if not container else {}
+            limit = settings.HANGAR_JOB_MEMORY_LIMIT_MB
+            leader = sandbox.leader_argv(argv, popen_user, limit, sandbox.tools(), dies_with_parent=boxed)
+            if leader is not None:
+                spawn = {"args": leader}  # spawned with vfork (see leader_argv)
+            else:  # preexec_fn runs after the switch to the job user: setuid would clear PDEATHSIG
+                spawn = {"args": argv, "preexec_fn": job_preexec(limit), **popen_user}
+            proc = subprocess.Popen(
+                env=env,
+                cwd=self.workdir(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # its own process group, so cancel reaches every child
+                pass_fds=info[1:] if info else (),
+                **spawn,
+            )
+        except BaseException:
+            if info:
+                os.close(info[0])
+            raise
+        finally:
+            if info:
+                os.close(info[1])  # bwrap's copy alone: the read end sees its end if it writes none
+        self.sandbox_info = info[0] if info else None
         if self.launch is None or self.launch.box is None:
             # In a sandbox no reaper is needed: its processes live in a PID namespace of their
             # own, which ends with bwrap, and bwrap dies with this thread (--die-with-parent).
@@ -547,22 +562,37 @@ class Runner:
         preempted = outcome.failure_class == FailureClass.PREEMPTED
         grace = settings.HANGAR_PREEMPT_GRACE_SECONDS if preempted else settings.HANGAR_KILL_GRACE_SECONDS
         self.system(f"stopping: {outcome.reason} (SIGTERM, then SIGKILL after {grace:g}s)", error=True)
-        signal_group(self.proc.pid, signal.SIGTERM)
+        signal_group(self.job_group(), signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            signal_group(self.proc.pid, signal.SIGKILL)
+            self.kill()
             self.proc.wait()
-        signal_group(self.proc.pid, signal.SIGKILL)
+        self.kill()
         self.writer.wait_for_streams(timeout=5)
         return outcome, exit_status(self.proc.returncode)
+
+    def job_group(self) -> int:
+        """The process group a stop's SIGTERM goes to: the job's. In a sandbox, the one its init
+        leads (bwrap --new-session), read once from bwrap's --info-fd: the outer bwrap's own
+        group would end the sandbox at once, before the job's grace period (agent/sandbox.py)."""
+        if self.sandbox_info is not None:
+            self.sandbox_group = sandbox.init_pid(self.sandbox_info)
+            os.close(self.sandbox_info)
+            self.sandbox_info = None
+        return self.sandbox_group or self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the job's group and the started process's (in a sandbox, the outer bwrap's)."""
+        signal_group(self.job_group(), signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
 
     def exited(self, returncode: int) -> tuple[Outcome, int | None]:
         self.keep_lease()
         # Children the command left behind belong to the job: end them too.
-        signal_group(self.proc.pid, signal.SIGTERM)
+        signal_group(self.job_group(), signal.SIGTERM)
         if not self.writer.wait_for_streams(timeout=2):
-            signal_group(self.proc.pid, signal.SIGKILL)
+            self.kill()
             self.writer.wait_for_streams(timeout=5)
         code = exit_status(returncode)
         if code == 0:

@@ -315,7 +315,7 @@ def time_wrap(count: int) -> tuple[float, float]:
     workdir.chmod(0o700)
     os.chown(workdir, 299999, 299999)
     found = tools()
-    box = Sandbox(uid=299999, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv, env=found.env)
+    box = Sandbox(uid=299999, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv)
     echo = [shutil.which("echo"), "hello"]
     timings: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(count):

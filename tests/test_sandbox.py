@@ -23,6 +23,7 @@ from agent.sandbox import (
     bwrap_argv,
     gpu_devices,
     hidden_mounts,
+    init_pid,
     isolation,
     job_uid,
     leader_argv,
@@ -67,14 +68,15 @@ def test_the_sandbox_argv_drops_to_the_uid_then_makes_the_namespaces():
 
     assert argv == [
         "setpriv", "--reuid=200007", "--regid=200007", "--clear-groups", "--no-new-privs", "--pdeathsig", "KILL", "--",
-        "env", "--ignore-signal=TERM",
-        "bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--die-with-parent",
+        "bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
         "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
         "--tmpfs", "/var/hangar",
         "--bind", "/var/hangar/jobs/7", "/var/hangar/jobs/7",
         "--remount-ro", "/var/hangar",
-        "--chdir", "/var/hangar/jobs/7", "--", "env", "--default-signal=TERM", "python", "t.py",
+        "--chdir", "/var/hangar/jobs/7", "--", "python", "t.py",
     ]  # fmt: skip
+    told = bwrap_argv(box(), ["true"], info_fd=9)  # where bwrap writes its init's pid (the job's process group)
+    assert told[told.index("--new-session") : told.index("--new-session") + 3] == ["--new-session", "--info-fd", "9"]
 
 
 @pytest.mark.parametrize(
@@ -157,13 +159,41 @@ def test_a_workdir_root_job_uids_cannot_reach_is_refused_saying_what_to_chmod(pu
         prepare_node(public_dir / "var", private / "jobs")
 
 
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        (b'{\n    "child-pid": 2009,\n    "mnt-namespace": 4026532175\n}\n', 2009),  # what bwrap 0.8 writes
+        (b"", None),  # bwrap failed before it wrote: the write end closed
+        (b"not json", None),
+        (b'{"other": 1}', None),
+    ],
+)
+def test_the_sandboxs_init_pid_is_read_from_bwraps_info_fd(written, expected):
+    read, write = os.pipe()
+    os.write(write, written)
+    os.close(write)
+    try:
+        assert init_pid(read) == expected
+    finally:
+        os.close(read)
+
+
+def test_no_info_from_bwrap_in_time_is_none():
+    read, write = os.pipe()
+    try:
+        assert init_pid(read, timeout=0.01) is None  # still open, nothing written: no wait for ever
+    finally:
+        os.close(read)
+        os.close(write)
+
+
 def test_bwraps_exit_code_for_a_signal_is_the_signal_again():
     launch = Launch(200007, box())
     assert [launch.returncode(c) for c in (0, 1, 137, 143, 255)] == [0, 1, -9, -15, 255]
     assert Launch(200007, None).returncode(137) == 137
 
 
-TOOLS = Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", "/usr/bin/prlimit")
+TOOLS = Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/prlimit")
 DEATH = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"]
 LIMIT = ["/usr/bin/prlimit", "--as=2097152:2097152", "--"]
 
@@ -191,8 +221,8 @@ def as_uid(uid: int, groups: str = "--clear-groups") -> list[str]:
         ({}, 0, TOOLS, 0, True, ["cmd"]),
         ({}, 2, TOOLS, 0, True, [*LIMIT, "cmd"]),
         # a missing program, or a uid an agent that is not root may not take: forked as before
-        ({}, 0, Tools("/usr/bin/bwrap", None, "/usr/bin/env", "/usr/bin/prlimit"), 0, False, None),
-        ({}, 512, Tools("/usr/bin/bwrap", "/usr/bin/setpriv", "/usr/bin/env", None), 0, False, None),
+        ({}, 0, Tools("/usr/bin/bwrap", None, "/usr/bin/prlimit"), 0, False, None),
+        ({}, 512, Tools("/usr/bin/bwrap", "/usr/bin/setpriv", None), 0, False, None),
         ({"user": 1001, "group": 1001, "extra_groups": []}, 0, TOOLS, 1000, False, None),
     ],
 )
@@ -245,7 +275,7 @@ def test_every_process_of_a_sandbox_dies_with_the_thread_that_started_it(public_
     workdir.mkdir(mode=0o700)
     os.chown(workdir, uid, uid)
     found = tools()
-    sandbox = Sandbox(uid=uid, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv, env=found.env)
+    sandbox = Sandbox(uid=uid, workdir=str(workdir), bwrap=found.bwrap, setpriv=found.setpriv)
     script = "setsid sleep 301 & (trap '' TERM HUP; exec sleep 302) & sleep 0.2; echo up; exec sleep 303"
     argv = leader_argv(bwrap_argv(sandbox, [SH, "-c", script]), {}, 0, found, dies_with_parent=True)
     proc, first = started_by_a_thread_that_ends(argv)
