@@ -202,7 +202,7 @@ def test_hangars_writes_on_the_embedded_store_keep_what_mlflows_sessions_set(mlf
 
 def tracking_messages(settings) -> dict[str, dict]:
     """The messages waiting in the embedded broker for the notifier's tracking queue, by file
-    (an earlier test's job may have had the same id)."""
+    (an earlier test's job may have had the same id; the folder is every test worker's)."""
     found = {}
     for file in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg"):
         message = json.loads(file.read_text())
@@ -222,8 +222,9 @@ def test_the_run_gets_the_final_status_and_the_cost(
     before = tracking_messages(settings)
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish("failed", "user", "exited with code 1", 1)
-    # The agent only sends the update; the notifier writes it (its task, run here).
-    sent = [m for name, m in tracking_messages(settings).items() if name not in before]
+    # The agent only sends the update; the notifier writes it (its task, run here). Another test
+    # worker's job may send one to the same folder meanwhile (their job ids are offset apart).
+    sent = [m for name, m in tracking_messages(settings).items() if name not in before and m.get("job_id") == job.pk]
     assert sent == [{"task": "hangar.close_run", "job_id": job.pk}]
     assert tracking.client().get_run(job.mlflow_run_id).info.status == "RUNNING"
     tasks.close_run(**{k: v for k, v in sent[0].items() if k != "task"})
