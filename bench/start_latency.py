@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 # The code timed: this checkout's, or (the other side of --against, `--turns --code DIR`) another's.
@@ -179,39 +180,39 @@ def against(other: Path, count: int) -> None:
     django.setup()
     from django.conf import settings
 
-    from tests.livestack import LiveStack, stack_env
+    from tests.livestack import LiveStack, ServicesDatabase, stack_env
 
     mode = "embedded" if settings.EMBEDDED_DATABASE else "services"
-    env = {**stack_env(), "HANGAR_DATA_DIR": tempfile.mkdtemp(prefix="hangar-bench-against-")}
-    env["HANGAR_REDIS_PREFIX"] = f"{settings.REDIS_PREFIX}-against"
-    database = None if mode == "embedded" else OwnDatabase(os.environ["DATABASE_URL"], "against")
-    if database is not None:
-        env["DATABASE_URL"] = database.create()
+    # Services: a database and a Redis prefix of its own on this side's servers.
+    own = ServicesDatabase(settings.DATABASE_URL, settings.REDIS_URL) if mode == "services" else nullcontext({})
     side = [sys.executable, str(Path(__file__).resolve()), "--turns", "--code", str(other)]
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     timings: dict[str, list[float]] = {"this": [], "against": []}
     stages: dict[str, list[dict]] = {"this": [], "against": []}
-    try:
-        with (
-            subprocess.Popen(side, cwd=other, env=env, **pipes) as turns,
-            LiveStack(data_dir=data_dir) as stack,
-        ):
+    with own as services:
+        env = {**stack_env(), **services, "HANGAR_DATA_DIR": tempfile.mkdtemp(prefix="hangar-bench-against-")}
+        with subprocess.Popen(side, cwd=other, env=env, **pipes) as turns, LiveStack(data_dir=data_dir) as stack:
+
+            def this_turn() -> tuple[float, dict]:
+                split: list[dict] = []
+                (took,) = time_jobs(stack, 1, stages=split)
+                return took, split[0]
+
+            def their_turn() -> tuple[float, dict]:
+                turns.stdin.write("go\n")
+                turns.stdin.flush()
+                answer = json.loads(said(turns, other, "{"))
+                return answer["ms"], answer["stages"]
+
             time_jobs(stack, 2)  # warm up: imports, connections
             said(turns, other, "ready")
+            turn = {"this": this_turn, "against": their_turn}
             for i in range(count):
                 for side_name in ("this", "against") if i % 2 == 0 else ("against", "this"):
-                    if side_name == "this":
-                        timings["this"] += time_jobs(stack, 1, stages=stages["this"])
-                        continue
-                    turns.stdin.write("go\n")
-                    turns.stdin.flush()
-                    answer = json.loads(said(turns, other, "{"))
-                    timings["against"].append(answer["ms"])
-                    stages["against"].append(answer["stages"])
+                    took, split = turn[side_name]()
+                    timings[side_name].append(took)
+                    stages[side_name].append(split)
             turns.stdin.close()
-    finally:
-        if database is not None:
-            database.drop()
     paired = [a - b for a, b in zip(timings["this"], timings["against"], strict=True)]
     for side_name, label in (("this", "this checkout"), ("against", str(other))):
         split = ", ".join(
@@ -232,31 +233,6 @@ def said(turns: subprocess.Popen, other: Path, start: str) -> str:
             return line
         sys.stderr.write(line)
     raise SystemExit(f"the stack of {other} stopped (exit {turns.wait()}; its output is above)")
-
-
-class OwnDatabase:
-    """A database of its own next to DATABASE_URL's, on the same PostgreSQL server (dropped after)."""
-
-    def __init__(self, url: str, suffix: str):
-        base, _, name = url.rpartition("/")
-        name, _, query = name.partition("?")
-        self.name = f"{name}_{suffix}"
-        self.admin_url = url
-        self.url = f"{base}/{self.name}" + (f"?{query}" if query else "")
-
-    def create(self) -> str:
-        import psycopg
-
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{self.name}"')
-        return self.url
-
-    def drop(self) -> None:
-        import psycopg
-
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
 SANDBOX_ENV = {

@@ -258,10 +258,12 @@ class LiveStack:
 
 
 class ServicesDatabase:
-    """A fresh PostgreSQL database and a Redis key prefix of its own for one services-mode stack."""
+    """A fresh PostgreSQL database and a Redis key prefix of its own for one services-mode stack,
+    on the test servers (HANGAR_TEST_POSTGRES_URL, HANGAR_TEST_REDIS_URL) or the ones given."""
 
-    def __init__(self):
+    def __init__(self, postgres_url: str = POSTGRES_ADMIN_URL, redis_url: str = REDIS_TEST_URL):
         self.name = f"hangar_test_{uuid.uuid4().hex[:10]}"
+        self.postgres_url, self.redis_url = postgres_url, redis_url
 
     def available(self) -> str | None:
         """None when PostgreSQL and Redis answer, else what is missing."""
@@ -269,25 +271,25 @@ class ServicesDatabase:
         import redis
 
         try:
-            psycopg.connect(POSTGRES_ADMIN_URL, connect_timeout=3).close()
+            psycopg.connect(self.postgres_url, connect_timeout=3).close()
         except psycopg.Error as exc:
-            return f"PostgreSQL at {POSTGRES_ADMIN_URL} is unreachable: {exc}"
+            return f"PostgreSQL at {self.postgres_url} is unreachable: {exc}"
         try:
-            redis.Redis.from_url(REDIS_TEST_URL, socket_timeout=3).ping()
+            redis.Redis.from_url(self.redis_url, socket_timeout=3).ping()
         except redis.RedisError as exc:
-            return f"Redis at {REDIS_TEST_URL} is unreachable: {exc}"
+            return f"Redis at {self.redis_url} is unreachable: {exc}"
         return None
 
     def __enter__(self) -> dict[str, str]:
         import psycopg
 
-        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+        with psycopg.connect(self.postgres_url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{self.name}"')
-        database_url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + "/" + self.name
+        database_url = self.postgres_url.rsplit("/", 1)[0] + "/" + self.name
         return {
             "DATABASE_URL": database_url,
-            "CELERY_BROKER_URL": REDIS_TEST_URL,
-            "REDIS_URL": REDIS_TEST_URL,
+            "CELERY_BROKER_URL": self.redis_url,
+            "REDIS_URL": self.redis_url,
             "HANGAR_REDIS_PREFIX": self.name,
         }
 
@@ -295,9 +297,9 @@ class ServicesDatabase:
         import psycopg
         import redis
 
-        client = redis.Redis.from_url(REDIS_TEST_URL)
+        client = redis.Redis.from_url(self.redis_url)
         for key in client.scan_iter(f"{self.name}*"):
             client.delete(key)
 
-        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+        with psycopg.connect(self.postgres_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
