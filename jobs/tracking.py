@@ -150,9 +150,8 @@ def _sqlite_pragmas(connection, _record) -> None:
     connection.execute("PRAGMA busy_timeout=20000")
 
 
-_experiments: dict[tuple[str, str], str] = {}
-_lookups: dict[tuple[str, str], Future] = {}  # experiments being looked up, by one thread each
-_lookups_lock = threading.Lock()
+_experiments: dict[tuple[str, str], Future] = {}  # each project's lookup, by one thread; its answer once done
+_experiments_lock = threading.Lock()
 
 
 @worker_ready.connect
@@ -188,29 +187,19 @@ def experiment_id(project_slug: str) -> str:
     eight jobs at once looked it up eight times (18-198 ms each, four agents at once), and
     created it as many times when it was new."""
     key = (settings.MLFLOW_TRACKING_URI, project_slug)
-    if (known := _experiments.get(key)) is not None:
-        return known
-    with _lookups_lock:
-        if (known := _experiments.get(key)) is not None:
-            return known
-        lookup, mine = _lookups.get(key), False
-        if lookup is None:
-            lookup, mine = Future(), True
-            _lookups[key] = lookup
-    if not mine:
-        return lookup.result()  # raises the lookup's error
-    try:
-        found = _find_or_create_experiment(f"hangar/{project_slug}", project_slug)
-    except BaseException as exc:
-        lookup.set_exception(exc)
-        raise
-    else:
-        _experiments[key] = found
-        lookup.set_result(found)
-        return found
-    finally:
-        with _lookups_lock:
-            del _lookups[key]  # a later call finds the answer kept, or (after an error) looks again
+    with _experiments_lock:
+        lookup = _experiments.get(key)
+        mine = lookup is None
+        if mine:
+            lookup = _experiments[key] = Future()
+    if mine:
+        try:
+            lookup.set_result(_find_or_create_experiment(f"hangar/{project_slug}", project_slug))
+        except BaseException as exc:
+            with _experiments_lock:
+                del _experiments[key]  # the next call looks again
+            lookup.set_exception(exc)
+    return lookup.result()  # raises the lookup's error
 
 
 def _find_or_create_experiment(name: str, project_slug: str) -> str:
@@ -350,9 +339,10 @@ def create_run(experiment: str, name: str, tags: dict[str, str]) -> str:
 
 
 def forget_experiment(experiment: str) -> None:
-    for key, known in list(_experiments.items()):
-        if known == experiment:
-            _experiments.pop(key, None)  # another thread may have forgotten it first
+    with _experiments_lock:
+        for key, lookup in list(_experiments.items()):
+            if lookup.done() and lookup.exception() is None and lookup.result() == experiment:
+                del _experiments[key]
 
 
 def stage_tags(job: Job, experiment: str) -> dict[str, str]:

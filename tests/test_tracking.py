@@ -150,7 +150,7 @@ def test_jobs_starting_at_once_share_one_failed_lookup_and_the_next_job_looks_ag
     assert errors == ["MLflow is down"] * 8 and looked_up == ["hangar/vision"]  # one wait, not eight in turn
     with pytest.raises(ConnectionError):
         tracking.experiment_id("vision")
-    assert len(looked_up) == 2 and tracking._lookups == {}
+    assert len(looked_up) == 2 and tracking._experiments == {}  # no failed lookup is kept
 
 
 def test_a_later_attempt_tags_the_same_run_which_runs_again(mlflow_store, job, node):
