@@ -11,7 +11,7 @@ import time
 
 from django.db import transaction
 
-from portal.celery import app
+from portal.celery import SCHEDULER_QUEUE, app
 
 log = logging.getLogger("hangar.scheduler")
 
@@ -122,6 +122,6 @@ atexit.register(lambda: _waker.flush())
 def _publish_wakeup(requested_at: float, queue_at: float | None) -> None:
     try:
         kwargs = {"requested_at": requested_at, "queue_at": queue_at, "clock": CLOCK}
-        app.send_task("hangar.schedule", kwargs=kwargs, queue="hangar.scheduler")
+        app.send_task("hangar.schedule", kwargs=kwargs, queue=SCHEDULER_QUEUE)
     except Exception as exc:
         log.warning("scheduling pass not requested (the periodic pass will run): %s", exc)

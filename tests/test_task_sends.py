@@ -1,7 +1,9 @@
 """Tasks sent by name (portal/celery.py): their results are never read, so a send asks the
 result backend for nothing (on Redis, a subscription to the result's channel per message)."""
 
-from portal.celery import app, ping
+from kombu import Connection
+
+from portal.celery import SCHEDULER_QUEUE, app, ping
 
 
 def calls_to_the_result_backend(monkeypatch) -> list[str]:
@@ -25,3 +27,32 @@ def test_a_task_whose_result_is_read_is_still_followed(monkeypatch):
     assert calls == [result.id]
     sent = app.send_task("hangar.ping", args=[0.0], queue="hangar.test-sends", ignore_result=False)
     assert calls == [result.id, sent.id]
+
+
+def left_to_redeliver(queue_name: str) -> int:
+    """A worker's consumer (as Celery makes it from the app's queues) takes one message from
+    the queue and its connection drops before any ack: how many messages the queue then holds
+    again (kombu puts back what was taken but not acknowledged)."""
+    queue = app.amqp.queues[queue_name]  # a queue not declared in the settings is made as a worker names it
+    with Connection("memory://") as connection:
+        channel = connection.channel()
+        connection.Producer(channel).publish(
+            {"wake": True}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue]
+        )
+        taken = []
+        consumer = app.amqp.TaskConsumer(channel, queues=[queue], accept=["json"])
+        consumer.register_callback(lambda body, message: taken.append(body))
+        with consumer:
+            connection.drain_events(timeout=5)
+        assert taken == [{"wake": True}]
+        channel.qos.restore_unacked()
+        return queue(channel).queue_declare(passive=True).message_count
+
+
+def test_a_wake_up_the_scheduler_took_is_not_kept_for_redelivery():
+    """Its queue is consumed without acks: a wake-up is answered by the next pass anyway."""
+    assert left_to_redeliver(SCHEDULER_QUEUE) == 0
+
+
+def test_a_message_an_agent_took_is_kept_until_acknowledged():
+    assert left_to_redeliver("hangar.node.test-sends") == 1

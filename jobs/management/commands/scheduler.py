@@ -8,7 +8,7 @@ from django.db import DatabaseError, close_old_connections
 from jobs import snapshots
 from jobs.logretention import enforce_retention_if_due
 from jobs.scheduler import reconcile, schedule_pass
-from portal.celery import app
+from portal.celery import SCHEDULER_QUEUE, app
 
 log = logging.getLogger("hangar.scheduler")
 
@@ -43,7 +43,7 @@ class Command(BaseCommand):
                 "--quiet",
                 "worker",
                 "--queues",
-                "hangar.scheduler",
+                SCHEDULER_QUEUE,
                 "--pool",
                 "solo",
                 "--hostname",
