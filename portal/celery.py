@@ -111,11 +111,11 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     task_default_queue=SCHEDULER_QUEUE,
     # The scheduler's queue holds its wake-ups only (portal/wakeup.py), each a request for a
-    # pass that the next one, or the periodic pass, answers as well: taken without an ack. An
-    # acknowledged message was first recorded as unacknowledged (a MULTI of two writes on
-    # Redis, a file on the embedded broker) and then erased, two round trips and ~0.5 ms of the
-    # scheduler's CPU before each pass, to redeliver a wake-up the scheduler took and died with.
-    # The other queues (each node's, the notifier's) are made as they are named, acknowledged.
+    # pass that the next one, or the periodic pass, answers as well: taken without an ack. On
+    # Redis an acknowledged message was first recorded as unacknowledged (a MULTI of two
+    # writes) and then erased, two round trips and ~0.5 ms of the scheduler's CPU before each
+    # pass, to redeliver a wake-up the scheduler took and died with.
+    # A node's queue is too, by its agent (taken_without_ack); the notifier's is acknowledged.
     task_queues=[Queue(SCHEDULER_QUEUE, no_ack=True)],
     task_create_missing_queues=True,
     broker_connection_retry_on_startup=True,
@@ -130,6 +130,20 @@ app.conf.update(
     task_serializer="json",
     accept_content=["json"],
 )
+
+
+def taken_without_ack(queue: str) -> None:
+    """This process's worker takes `queue`'s messages without acks, as the scheduler takes its
+    wake-ups: for a node's queue, by its agent. Such a message says "start this rank" (the
+    attempt's row is the record). The ack kept a message taken but not yet started for
+    redelivery: put back when its agent stopped cleanly, else after the broker's visibility
+    timeout (an hour, long after the reconciler ended the attempt that was not started within
+    HANGAR_START_TIMEOUT_SECONDS and requeued its job). A message waits unstarted only while
+    all the agent's threads are busy, and it has two more than GPUs. On Redis the ack's
+    bookkeeping was two round trips on the path of every start."""
+    app.amqp.queues.add(Queue(queue, no_ack=True))
+
+
 # Only the scheduler's tasks are found by name here: the agent's (agent/tasks.py) are
 # registered by `manage.py agent` alone, and every sender names the task it sends, so
 # neither the web nor the scheduler process loads the agent's runtime.

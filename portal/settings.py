@@ -409,9 +409,10 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "global_keyprefix": f"{REDIS_PREFIX}:",
-        # A message taken but not acknowledged this long goes back to the queue. Tasks are
-        # acknowledged early, so only a prefetched message can be redelivered; Attempt.begin
-        # refuses a rank taken twice either way (the reliability drills set it to seconds).
+        # A message taken but not acknowledged this long goes back to the queue. The notifier's
+        # are acknowledged early, the scheduler's and the agents' taken without acks
+        # (portal/celery.py), so only a message the notifier prefetched can be redelivered;
+        # Attempt.begin refuses a rank taken twice either way (the reliability drills set it to seconds).
         "visibility_timeout": env_float("HANGAR_BROKER_VISIBILITY_TIMEOUT", 3600.0, minimum=1.0),
     }
 if CELERY_BROKER_URL.startswith("filesystem://"):

@@ -1,9 +1,9 @@
 """Tasks sent by name (portal/celery.py): their results are never read, so a send asks the
 result backend for nothing (on Redis, a subscription to the result's channel per message)."""
 
-from kombu import Connection
+from kombu import Connection, Queue
 
-from portal.celery import SCHEDULER_QUEUE, app, ping
+from portal.celery import SCHEDULER_QUEUE, app, ping, taken_without_ack
 
 
 def calls_to_the_result_backend(monkeypatch) -> list[str]:
@@ -54,5 +54,14 @@ def test_a_wake_up_the_scheduler_took_is_not_kept_for_redelivery():
     assert left_to_redeliver(SCHEDULER_QUEUE) == 0
 
 
-def test_a_message_an_agent_took_is_kept_until_acknowledged():
-    assert left_to_redeliver("hangar.node.test-sends") == 1
+def test_a_message_its_agent_took_is_not_kept_for_redelivery(monkeypatch):
+    """As `manage.py agent` declares its node's queue: the row is the record (an attempt not
+    started in time is ended and its job requeued by the reconciler)."""
+    # As a sender to it made it (acknowledged), in this test only: dropped after.
+    monkeypatch.setitem(app.amqp.queues, "hangar.node.test-sends", Queue("hangar.node.test-sends"))
+    taken_without_ack("hangar.node.test-sends")
+    assert left_to_redeliver("hangar.node.test-sends") == 0
+
+
+def test_a_message_to_the_notifier_is_kept_until_acknowledged():
+    assert left_to_redeliver("hangar.tracking") == 1

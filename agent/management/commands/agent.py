@@ -9,7 +9,7 @@ from agent import network, runner, sandbox, tasks  # noqa: F401  (tasks: registe
 from agent.node import Agent, default_node_name
 from fleet.gpus import SIMULATED_MODELS, detect_provider
 from jobs.models import Environment
-from portal.celery import app
+from portal.celery import app, taken_without_ack
 from portal.multihost import shared_state_problems
 
 
@@ -77,6 +77,7 @@ class Command(BaseCommand):
         stop = threading.Event()
         threading.Thread(target=agent.heartbeat_forever, args=(stop,), daemon=True, name="heartbeat").start()
         worker_shutting_down.connect(lambda **kw: runner.stop_all("the node's agent shut down"), weak=False)
+        taken_without_ack(registered.queue)
         app.worker_main(
             [
                 "--quiet",
