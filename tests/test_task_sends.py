@@ -1,5 +1,7 @@
 """Tasks sent by name (portal/celery.py): their results are never read, so a send asks the
-result backend for nothing (on Redis, a subscription to the result's channel per message)."""
+result backend for nothing (on Redis, a subscription to the result's channel per message).
+And which queues' messages are kept until acknowledged: the notifier's, not the scheduler's
+wake-ups nor a node's starts (the rows are the record; portal/celery.py)."""
 
 from kombu import Connection, Queue
 
