@@ -13,7 +13,6 @@ import warnings
 
 from celery import Celery
 from celery.signals import worker_ready
-from kombu import Queue
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.json import dumps, loads
@@ -110,13 +109,6 @@ app.conf.update(
     task_acks_late=False,
     worker_prefetch_multiplier=1,
     task_default_queue=SCHEDULER_QUEUE,
-    # The scheduler's queue holds its wake-ups only (portal/wakeup.py), each a request for a
-    # pass that the next one, or the periodic pass, answers as well: taken without an ack. On
-    # Redis an acknowledged message was first recorded as unacknowledged (a MULTI of two
-    # writes) and then erased, two round trips and ~0.5 ms of the scheduler's CPU before each
-    # pass, to redeliver a wake-up the scheduler took and died with.
-    # A node's queue is too, by its agent (taken_without_ack); the notifier's is acknowledged.
-    task_queues=[Queue(SCHEDULER_QUEUE, no_ack=True)],
     task_create_missing_queues=True,
     broker_connection_retry_on_startup=True,
     # A broker restart must not end an agent or the scheduler: they reconnect for as
@@ -132,16 +124,23 @@ app.conf.update(
 )
 
 
-def taken_without_ack(queue: str) -> None:
-    """This process's worker takes `queue`'s messages without acks, as the scheduler takes its
-    wake-ups: for a node's queue, by its agent. Such a message says "start this rank" (the
-    attempt's row is the record). The ack kept a message taken but not yet started for
-    redelivery: put back when its agent stopped cleanly, else after the broker's visibility
-    timeout (an hour, long after the reconciler ended the attempt that was not started within
-    HANGAR_START_TIMEOUT_SECONDS and requeued its job). A message waits unstarted only while
-    all the agent's threads are busy, and it has two more than GPUs. On Redis the ack's
-    bookkeeping was two round trips on the path of every start."""
-    app.amqp.queues.add(Queue(queue, no_ack=True))
+def taken_without_ack(queue: str) -> str:
+    """Have this process's worker take `queue`'s messages without acks; the queue's name, for
+    the worker's --queues. The scheduler's queue and each node's are taken so (their commands
+    call this); the notifier's (run updates, webhook deliveries) is acknowledged early.
+
+    A wake-up of the scheduler is a request for a pass that the next one, or the periodic
+    pass, answers as well; a node's message says "start this rank", whose row is the record.
+    What an ack kept was a message taken but not yet started, for redelivery: put back when
+    its worker stopped cleanly, else after the broker's visibility timeout (an hour, long
+    after the reconciler ended an attempt not started within HANGAR_START_TIMEOUT_SECONDS and
+    requeued its job). An agent's message waits unstarted only while all its threads are
+    busy, and it has two more than GPUs. On Redis the ack's bookkeeping (the message recorded
+    as unacknowledged, then erased) was two round trips before every pass and every start."""
+    declared = app.amqp.queues.new_missing(queue)  # its exchange and routing key as a sender makes them
+    declared.no_ack = True
+    app.amqp.queues.add(declared)
+    return queue
 
 
 # Only the scheduler's tasks are found by name here: the agent's (agent/tasks.py) are

@@ -77,13 +77,12 @@ class Command(BaseCommand):
         stop = threading.Event()
         threading.Thread(target=agent.heartbeat_forever, args=(stop,), daemon=True, name="heartbeat").start()
         worker_shutting_down.connect(lambda **kw: runner.stop_all("the node's agent shut down"), weak=False)
-        taken_without_ack(registered.queue)
         app.worker_main(
             [
                 "--quiet",
                 "worker",
                 "--queues",
-                registered.queue,
+                taken_without_ack(registered.queue),
                 "--pool",
                 "threads",
                 # Each attempt holds a thread while it runs; two spare ones keep

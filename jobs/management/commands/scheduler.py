@@ -8,7 +8,7 @@ from django.db import DatabaseError, close_old_connections
 from jobs import snapshots
 from jobs.logretention import enforce_retention_if_due
 from jobs.scheduler import reconcile, schedule_pass
-from portal.celery import SCHEDULER_QUEUE, app
+from portal.celery import SCHEDULER_QUEUE, app, taken_without_ack
 
 log = logging.getLogger("hangar.scheduler")
 
@@ -43,7 +43,7 @@ class Command(BaseCommand):
                 "--quiet",
                 "worker",
                 "--queues",
-                SCHEDULER_QUEUE,
+                taken_without_ack(SCHEDULER_QUEUE),
                 "--pool",
                 "solo",
                 "--hostname",
