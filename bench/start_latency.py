@@ -52,6 +52,17 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
+def set_up_django() -> str:
+    """Django set up in this process on a fresh data directory (the stack's too): its path."""
+    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
+    os.environ["HANGAR_DATA_DIR"] = data_dir
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    return data_dir
+
+
 def time_jobs(
     stack, count: int, submits: list[float] | None = None, stages: list[dict] | None = None, **fields
 ) -> list[float]:
@@ -168,12 +179,7 @@ def main() -> None:
     if args.against:
         return against(Path(args.against).resolve(), count)
 
-    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
-    os.environ["HANGAR_DATA_DIR"] = data_dir
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    import django
-
-    django.setup()
+    data_dir = set_up_django()
     from django.conf import settings
 
     from tests.livestack import LiveStack
@@ -203,12 +209,7 @@ def main() -> None:
 
 def take_turns() -> None:
     """--against's other side: a stack of CODE's; one job timed for each `go` read from stdin."""
-    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
-    os.environ["HANGAR_DATA_DIR"] = data_dir
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    import django
-
-    django.setup()
+    data_dir = set_up_django()
     from tests.livestack import LiveStack
 
     with LiveStack(data_dir=data_dir) as stack:
@@ -223,12 +224,7 @@ def take_turns() -> None:
 def against(other: Path, count: int) -> None:
     """This checkout's stack and another's (`take_turns` in a process of its own, on a database
     and a broker prefix of its own), both up for the whole run; one job each in turn."""
-    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
-    os.environ["HANGAR_DATA_DIR"] = data_dir
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    import django
-
-    django.setup()
+    data_dir = set_up_django()
     from django.conf import settings
 
     from tests.livestack import LiveStack, ServicesDatabase, stack_env
@@ -295,12 +291,7 @@ MODEL = {"off": "H100", "on": "H200"}  # each agent's simulated GPUs: a job's gp
 
 def sandbox_bench(which: str, count: int) -> None:
     """Jobs on a sandboxing agent and on a plain one, timed in turns in one stack."""
-    data_dir = tempfile.mkdtemp(prefix="hangar-bench-")
-    os.environ["HANGAR_DATA_DIR"] = data_dir
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    import django
-
-    django.setup()
+    data_dir = set_up_django()
     from tests.livestack import LiveStack
 
     modes = ["off", "on"] if which == "both" else [which]
