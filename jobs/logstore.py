@@ -3,6 +3,7 @@ fence against an attempt that is no longer current), skipping lines already stor
 batch sent twice (from a node's spool after a lost acknowledgement) is stored once. The
 agent's LogWriter (agent/output.py) calls it; so may anything that stores lines."""
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -56,8 +57,17 @@ def store_lines(
     `last`: the attempt's last seq, given by its only writer (a one-rank attempt's live
     writer, from what its own acknowledged batches returned), so it is not read again: a
     round trip less per batch. Were it wrong, the (job, attempt, seq) constraint refuses the
-    batch, and the writer's retry (not fresh) reads it.
+    batch, and the writer's retry (not fresh) reads it. A fresh batch with `last` on PostgreSQL
+    is one statement (insert_if_started).
     """
+    if (
+        fresh
+        and last is not None
+        and current_only
+        and 0 < len(rows) < COPY_MIN_ROWS
+        and connection.vendor == "postgresql"
+    ):
+        return insert_if_started(attempt_id, rows, last)
     with transaction.atomic():
         # FOR NO KEY UPDATE on PostgreSQL: writers of one attempt queue here, and an
         # attempt that is being ended waits for (or refuses) this batch.
@@ -73,6 +83,41 @@ def store_lines(
         if rows:
             insert_rows(rows)
     return last + len(rows)
+
+
+def insert_if_started(attempt_id: int, rows: list[NewLine], last: int) -> int:
+    """A live writer's batch in one statement, on PostgreSQL (store_lines' common case: nothing
+    to skip, the last seq known): inserted only while the attempt is started, its row locked
+    for the statement as store_lines' transaction locks it. The lock is taken and released on
+    the server: an attempt's end never waits on the writer's next round trip, and the batch
+    is one round trip instead of four (BEGIN, the fence, the insert, COMMIT)."""
+    for offset, row in enumerate(rows, start=1):
+        row.seq = last + offset
+    adapt = connection.ops.adapt_datetimefield_value
+    values = [value for row in rows for value in row.columns(adapt(row.ts))]
+    with connection.cursor() as cursor:
+        cursor.execute(fenced_insert(len(rows)), [*values, attempt_id, *STARTED_ATTEMPT_STATES])
+        if cursor.rowcount != len(rows):
+            raise AttemptNotCurrent(attempt_id)
+    return last + len(rows)
+
+
+@functools.cache
+def fenced_insert(count: int) -> str:
+    """INSERT ... SELECT of `count` rows that inserts none unless the attempt (the parameter after
+    the rows') is in a started state (the last parameters), its row locked as store_lines' fence
+    locks it: an end being written is waited for, then refuses the batch. Each value is cast to
+    its column's type: a VALUES list's types are otherwise guessed from the parameters' (a NULL
+    is text, which no integer column takes)."""
+    fields = {field.column: field for field in LogLine._meta.concrete_fields}
+    row = "(" + ", ".join(f"CAST(%s AS {fields[column].db_type(connection)})" for column in COPY_COLUMNS) + ")"
+    states = ", ".join(["%s"] * len(STARTED_ATTEMPT_STATES))
+    attempts = Attempt._meta.db_table
+    return (
+        f"INSERT INTO {LogLine._meta.db_table} ({', '.join(COPY_COLUMNS)}) "
+        f"SELECT * FROM (VALUES {', '.join([row] * count)}) AS batch WHERE EXISTS ("
+        f"SELECT 1 FROM {attempts} WHERE id = %s AND state IN ({states}) FOR NO KEY UPDATE)"
+    )
 
 
 @statements.query

@@ -591,3 +591,96 @@ def test_a_copy_the_database_refuses_is_a_database_error_the_writer_spools_on():
     run = on_postgresql(COPY_REFUSED)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "refused as IntegrityError" in run.stdout
+
+
+ONE_STATEMENT = textwrap.dedent(
+    """
+    import threading, time
+    import django
+    django.setup()
+    from django.core.management import call_command
+    call_command("migrate", verbosity=0)
+    import psycopg
+    from django.conf import settings
+    from django.db import DatabaseError, connection
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+    from jobs import logstore
+    from jobs.models import LogLine
+    from tests.factories import make_attempt, make_job, make_node, make_project, make_user
+    from tests.test_logs_ingest import new_lines
+    assert connection.vendor == "postgresql", connection.vendor
+    user = make_user("ada"); project = make_project("vision", admin=user)
+    node = make_node("node-a")
+    attempt = make_attempt(make_job(project, user), node, "running", running_at=timezone.now())
+    texts = lambda attempt: [row.text for row in LogLine.objects.filter(attempt=attempt).order_by("seq")]
+
+    # A live writer's fresh batch, its last seq known: one statement, no transaction of its own.
+    rows = new_lines(attempt, ["a", "b", "c"])
+    rows[1].node_id = None  # a value of another type than the first row's: cast, not guessed
+    with CaptureQueriesContext(connection) as queries:
+        assert logstore.store_lines(attempt.pk, rows[:2], fresh=True, last=0) == 2
+    print("statements", len(queries), queries[0]["sql"].split()[0])
+    assert logstore.store_lines(attempt.pk, rows[2:], fresh=True, last=2) == 3
+    assert texts(attempt) == ["a", "b", "c"]
+    assert [r.node_id for r in LogLine.objects.filter(attempt=attempt).order_by("seq")] == [node.pk, None, node.pk]
+
+    # A seq already taken (a wrong `last`): refused whole, as the transaction's insert was.
+    try:
+        logstore.store_lines(attempt.pk, new_lines(attempt, ["x", "y"]), fresh=True, last=1)
+    except DatabaseError as exc:
+        print("wrong last refused as", type(exc).__name__)
+    assert texts(attempt) == ["a", "b", "c"]
+
+    # An attempt that ended: refused, nothing stored.
+    ended = make_attempt(make_job(project, user), node, "succeeded")
+    try:
+        logstore.store_lines(ended.pk, new_lines(ended, ["late"]), fresh=True, last=0)
+    except logstore.AttemptNotCurrent:
+        print("ended attempt refused")
+    assert texts(ended) == []
+
+    # The fence: an end being written holds the attempt's row; the batch waits for it, then is refused.
+    running = make_attempt(make_job(project, user), node, "running", running_at=timezone.now())
+    url = settings.DATABASES["default"]
+    other = psycopg.connect(
+        dbname=url["NAME"], user=url["USER"], host=url["HOST"], port=url["PORT"] or 5432, password=url["PASSWORD"]
+    )
+    other.execute("UPDATE jobs_attempt SET state = 'succeeded' WHERE id = %s", [running.pk])
+    outcome = []
+
+    def batch():
+        try:
+            logstore.store_lines(running.pk, new_lines(running, ["raced"]), fresh=True, last=0)
+            outcome.append("stored")
+        except logstore.AttemptNotCurrent:
+            outcome.append("refused")
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=batch)
+    thread.start()
+    time.sleep(0.5)
+    print("waited for the end", thread.is_alive())
+    other.commit()
+    thread.join(10)
+    print("raced batch", outcome)
+    assert texts(running) == []
+    """
+)
+
+
+def test_a_live_writers_batch_is_one_statement_on_postgresql_and_keeps_the_fence():
+    """On PostgreSQL a live writer's batch (nothing to skip, its last seq known) is one INSERT whose
+    fence (the attempt started, its row locked) is in the statement: one round trip instead of four,
+    and the attempt's row is not held across the writer's round trips. It still refuses a batch for
+    an ended attempt, waits for an end being written and is then refused, stores a wrong `last`'s
+    batch nowhere, and takes a NULL after a number in one column."""
+    from tests.factories import on_postgresql
+
+    run = on_postgresql(ONE_STATEMENT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "statements 1 INSERT" in run.stdout
+    assert "wrong last refused as IntegrityError" in run.stdout
+    assert "ended attempt refused" in run.stdout
+    assert "waited for the end True" in run.stdout and "raced batch ['refused']" in run.stdout
