@@ -57,8 +57,8 @@ def store_lines(
     `last`: the attempt's last seq, given by its only writer (a one-rank attempt's live
     writer, from what its own acknowledged batches returned), so it is not read again: a
     round trip less per batch. Were it wrong, the (job, attempt, seq) constraint refuses the
-    batch, and the writer's retry (not fresh) reads it. A fresh batch with `last` on PostgreSQL
-    is one statement (insert_if_started).
+    batch, and the writer's retry (not fresh) reads it. A fresh batch with `last` on PostgreSQL,
+    outside a transaction (a live writer's), is one statement (insert_if_started).
     """
     if (
         fresh
@@ -66,6 +66,7 @@ def store_lines(
         and current_only
         and 0 < len(rows) < COPY_MIN_ROWS
         and connection.vendor == "postgresql"
+        and not connection.in_atomic_block  # in a caller's transaction: a savepoint, so a refused batch leaves it whole
     ):
         return insert_if_started(attempt_id, rows, last)
     with transaction.atomic():

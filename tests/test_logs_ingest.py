@@ -602,7 +602,7 @@ ONE_STATEMENT = textwrap.dedent(
     call_command("migrate", verbosity=0)
     import psycopg
     from django.conf import settings
-    from django.db import DatabaseError, connection
+    from django.db import DatabaseError, connection, transaction
     from django.test.utils import CaptureQueriesContext
     from django.utils import timezone
     from jobs import logstore
@@ -631,6 +631,13 @@ ONE_STATEMENT = textwrap.dedent(
     except DatabaseError as exc:
         print("wrong last refused as", type(exc).__name__)
     assert texts(attempt) == ["a", "b", "c"]
+    # In a caller's transaction the batch keeps its savepoint: refused, it leaves the transaction usable.
+    with transaction.atomic():
+        try:
+            logstore.store_lines(attempt.pk, new_lines(attempt, ["x"]), fresh=True, last=1)
+        except DatabaseError:
+            pass
+        print("caller's transaction usable", len(texts(attempt)))
 
     # An attempt that ended: refused, nothing stored.
     ended = make_attempt(make_job(project, user), node, "succeeded")
@@ -675,12 +682,13 @@ def test_a_live_writers_batch_is_one_statement_on_postgresql_and_keeps_the_fence
     fence (the attempt started, its row locked) is in the statement: one round trip instead of four,
     and the attempt's row is not held across the writer's round trips. It still refuses a batch for
     an ended attempt, waits for an end being written and is then refused, stores a wrong `last`'s
-    batch nowhere, and takes a NULL after a number in one column."""
+    batch nowhere (in a caller's transaction, in a savepoint that leaves it usable), and takes a
+    NULL after a number in one column."""
     from tests.factories import on_postgresql
 
     run = on_postgresql(ONE_STATEMENT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "statements 1 INSERT" in run.stdout
     assert "wrong last refused as IntegrityError" in run.stdout
-    assert "ended attempt refused" in run.stdout
+    assert "ended attempt refused" in run.stdout and "caller's transaction usable 3" in run.stdout
     assert "waited for the end True" in run.stdout and "raced batch ['refused']" in run.stdout
