@@ -79,11 +79,22 @@ def store_lines(
             rows = unstored(attempt_id, rows)
         if last is None:
             last = last_seq.first(job_id=job_id, attempt_id=attempt_id) or 0
-        for offset, row in enumerate(rows, start=1):
-            row.seq = last + offset
+        number(rows, last)
         if rows:
             insert_rows(rows)
     return last + len(rows)
+
+
+def number(rows: list[NewLine], last: int) -> None:
+    """Give the rows the attempt's line numbers after `last`, in order."""
+    for offset, row in enumerate(rows, start=1):
+        row.seq = last + offset
+
+
+def insert_values(rows: list[NewLine]) -> list[tuple]:
+    """Each row's values for COPY_COLUMNS, as an INSERT's parameters (the timestamp adapted)."""
+    adapt = connection.ops.adapt_datetimefield_value
+    return [row.columns(adapt(row.ts)) for row in rows]
 
 
 def insert_if_started(attempt_id: int, rows: list[NewLine], last: int) -> int:
@@ -92,10 +103,8 @@ def insert_if_started(attempt_id: int, rows: list[NewLine], last: int) -> int:
     for the statement as store_lines' transaction locks it. The lock is taken and released on
     the server: an attempt's end never waits on the writer's next round trip, and the batch
     is one round trip instead of four (BEGIN, the fence, the insert, COMMIT)."""
-    for offset, row in enumerate(rows, start=1):
-        row.seq = last + offset
-    adapt = connection.ops.adapt_datetimefield_value
-    values = [value for row in rows for value in row.columns(adapt(row.ts))]
+    number(rows, last)
+    values = [value for row in insert_values(rows) for value in row]
     with connection.cursor() as cursor:
         cursor.execute(fenced_insert(len(rows)), [*values, attempt_id, *STARTED_ATTEMPT_STATES])
         if cursor.rowcount != len(rows):
@@ -169,8 +178,7 @@ def insert_rows(rows: list) -> None:
                 for r in rows:
                     copy.write_row(r.columns(r.ts))
         return
-    adapt = connection.ops.adapt_datetimefield_value
-    values = [r.columns(adapt(r.ts)) for r in rows]
+    values = insert_values(rows)
     placeholders = ", ".join(["%s"] * len(COPY_COLUMNS))
     with connection.cursor() as cursor:
         cursor.executemany(f"INSERT INTO {table} ({', '.join(COPY_COLUMNS)}) VALUES ({placeholders})", values)
