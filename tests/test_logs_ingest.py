@@ -638,6 +638,11 @@ ONE_STATEMENT = textwrap.dedent(
         except DatabaseError:
             pass
         print("caller's transaction usable", len(texts(attempt)))
+    # A job's line is a value, never SQL: stored as printed, whatever it holds.
+    hostile = "it's \\\\ 'quoted' %s %(x)s $1 ); DELETE FROM jobs_logline; --"
+    rows = new_lines(attempt, ["a", "b", "c", hostile])[3:]
+    assert logstore.store_lines(attempt.pk, rows, fresh=True, last=3) == 4
+    assert texts(attempt) == ["a", "b", "c", hostile]
 
     # An attempt that ended: refused, nothing stored.
     ended = make_attempt(make_job(project, user), node, "succeeded")
@@ -682,8 +687,8 @@ def test_a_live_writers_batch_is_one_statement_on_postgresql_and_keeps_the_fence
     fence (the attempt started, its row locked) is in the statement: one round trip instead of four,
     and the attempt's row is not held across the writer's round trips. It still refuses a batch for
     an ended attempt, waits for an end being written and is then refused, stores a wrong `last`'s
-    batch nowhere (in a caller's transaction, in a savepoint that leaves it usable), and takes a
-    NULL after a number in one column."""
+    batch nowhere (in a caller's transaction, in a savepoint that leaves it usable), stores a line
+    that looks like SQL as it was printed, and takes a NULL after a number in one column."""
     from tests.factories import on_postgresql
 
     run = on_postgresql(ONE_STATEMENT)
