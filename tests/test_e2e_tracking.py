@@ -34,8 +34,9 @@ def test_a_job_logs_metrics_to_its_run_with_no_set_up(tmp_path):
         client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
         deadline = time.monotonic() + 30
         run = client.get_run(done["mlflow_run_id"])
-        # The notifier writes the cost, then the final status, after the attempt's end.
-        while run.info.status != "FINISHED" and time.monotonic() < deadline:
+        # The notifier writes the cost with the final status, after the attempt's end. The job's
+        # own MLflow ends the run (FINISHED) as its process exits, before that: wait for the cost.
+        while "hangar.cost" not in run.data.tags and time.monotonic() < deadline:
             time.sleep(0.2)
             run = client.get_run(done["mlflow_run_id"])
         tags = run.data.tags
