@@ -163,7 +163,8 @@ def unstored(attempt_id: int, rows: list[NewLine]) -> list[NewLine]:
 
 
 def insert_rows(rows: list) -> None:
-    """Bulk insert: COPY on PostgreSQL for large batches, one prepared multi-row INSERT elsewhere.
+    """Bulk insert: COPY on PostgreSQL for large batches, otherwise one INSERT run for each row
+    (executemany: one prepared statement on SQLite, the rows pipelined on PostgreSQL).
 
     Rows go in as plain tuples: building model instances' SQL per row costs
     more than the insert itself.
