@@ -6,7 +6,8 @@ wake-ups nor a node's starts (the rows are the record; portal/celery.py)."""
 import pytest
 from kombu import Connection
 
-from portal.celery import SCHEDULER_QUEUE, app, ping, taken_without_ack
+from portal.celery import SCHEDULER_QUEUE, UnrecordedAckQoS, app, ping, taken_without_ack
+from tests.services import PrivateRedis
 
 
 def calls_to_the_result_backend(monkeypatch) -> list[str]:
@@ -70,3 +71,41 @@ def test_a_message_taken_from_a_queue_taken_without_acks_is_not_kept_for_redeliv
 
 def test_a_message_to_the_notifier_is_kept_until_acknowledged():
     assert left_to_redeliver("hangar.tracking") == 1
+
+
+def test_on_redis_a_message_taken_without_acks_is_acked_without_a_round_trip(monkeypatch):
+    """Celery acks every message its worker accepts; on Redis kombu's ack erases the message
+    from the unacked index (MULTI/ZREM/HDEL/EXEC). A message taken without acks was never
+    written there: its ack costs no command (before, one round trip per dispatch an agent
+    took and per wake-up the scheduler took). The notifier's, recorded, is still erased."""
+    if missing := PrivateRedis.missing():
+        pytest.skip(missing)
+    queue = "hangar.node.test-acks"
+    monkeypatch.setitem(app.amqp.queues, queue, app.amqp.queues.new_missing(queue))
+    taken_without_ack(queue)
+    queues = [app.amqp.queues[queue], app.amqp.queues["hangar.tracking"]]
+    with PrivateRedis() as redis, Connection(redis.url) as connection:
+        channel = connection.channel()
+        assert isinstance(channel.qos, UnrecordedAckQoS)  # the broker URL's scheme names Hangar's transport
+        producer = connection.Producer(channel)
+        for declared in [queues[0], queues[1], queues[0]]:
+            producer.publish(
+                {"to": declared.name}, exchange=declared.exchange, routing_key=declared.routing_key, declare=[declared]
+            )
+        channel.client.config_resetstat()
+        taken = []
+
+        def take(body, message):
+            taken.append(body["to"])
+            message.ack()
+
+        consumer = app.amqp.TaskConsumer(channel, queues=queues, accept=["json"])
+        consumer.register_callback(take)
+        with consumer:
+            while len(taken) < 3:
+                connection.drain_events(timeout=5)
+        calls = {name: stat["calls"] for name, stat in channel.client.info("commandstats").items()}
+
+    assert sorted(taken) == sorted(["hangar.tracking", queue, queue])
+    # The notifier's message recorded as unacknowledged (ZADD, HSET), then erased (ZREM, HDEL); the others neither.
+    assert [calls.get(f"cmdstat_{c}", 0) for c in ("zadd", "hset", "zrem", "hdel")] == [1, 1, 1, 1]
