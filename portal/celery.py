@@ -14,7 +14,7 @@ import warnings
 from celery import Celery
 from celery.signals import worker_ready
 from kombu.exceptions import ChannelError
-from kombu.transport import TRANSPORT_ALIASES, filesystem, redis
+from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.json import dumps, loads
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
@@ -90,40 +90,9 @@ class AtomicFilesystemTransport(filesystem.Transport):
 TRANSPORT_ALIASES["filesystem"] = "portal.celery:AtomicFilesystemTransport"
 
 
-class UnrecordedAckQoS(redis.QoS):
-    """kombu's Redis ack emulation, less the ack of a message it never recorded. A message taken
-    from a queue consumed without acks (`taken_without_ack`) is never written to the unacked
-    index, but Celery still acks it once its task is accepted, and kombu's virtual channels do
-    not tell such a consumer's messages apart (`Channel.no_ack_consumers` is AMQP's): each ack
-    sent a MULTI/ZREM/HDEL/EXEC for keys that were never written, a round trip in the worker's
-    event loop before it read its next message, two or three a job (every dispatch an agent
-    takes, every wake-up the scheduler takes), and the ack's tag stayed in the channel's
-    set of acked tags for the life of the process. A message that was recorded (the
-    notifier's queue is acknowledged) is acked as before."""
-
-    def ack(self, delivery_tag):
-        if delivery_tag in self._delivered:
-            super().ack(delivery_tag)
-
-
-class HangarRedisChannel(redis.Channel):
-    QoS = UnrecordedAckQoS
-
-
-class HangarRedisTransport(redis.Transport):
-    Channel = HangarRedisChannel
-
-
-class HangarSentinelChannel(redis.SentinelChannel):
-    QoS = UnrecordedAckQoS
-
-
-class HangarSentinelTransport(redis.SentinelTransport):
-    Channel = HangarSentinelChannel
-
-
-TRANSPORT_ALIASES["redis"] = TRANSPORT_ALIASES["rediss"] = "portal.celery:HangarRedisTransport"
-TRANSPORT_ALIASES["sentinel"] = "portal.celery:HangarSentinelTransport"
+# A Redis broker's URLs (redis://, rediss://) name Hangar's Redis transport (portal/redisbroker.py),
+# imported only where the broker is Redis.
+TRANSPORT_ALIASES["redis"] = TRANSPORT_ALIASES["rediss"] = "portal.redisbroker:Transport"
 
 
 class HangarCelery(Celery):
@@ -173,7 +142,7 @@ def taken_without_ack(queue: str) -> str:
     requeued its job). An agent's message waits unstarted only while all its threads are
     busy, and it has two more than GPUs. On Redis the ack's bookkeeping (the message recorded
     as unacknowledged, then erased) was two round trips before every pass and every start:
-    no_ack skips the record, UnrecordedAckQoS the erasure."""
+    no_ack skips the record, portal/redisbroker.py the erasure."""
     declared = app.amqp.queues.new_missing(queue)  # its exchange and routing key as a sender makes them
     declared.no_ack = True
     app.amqp.queues.add(declared)

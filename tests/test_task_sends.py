@@ -6,7 +6,8 @@ wake-ups nor a node's starts (the rows are the record; portal/celery.py)."""
 import pytest
 from kombu import Connection
 
-from portal.celery import SCHEDULER_QUEUE, UnrecordedAckQoS, app, ping, taken_without_ack
+from portal.celery import SCHEDULER_QUEUE, app, ping, taken_without_ack
+from portal.redisbroker import UnrecordedAckQoS
 from tests.services import PrivateRedis
 
 
