@@ -15,11 +15,16 @@ class UnrecordedAckQoS(redis.QoS):
     worker's event loop before it read its next message, about two a job (every dispatch an agent
     takes, every wake-up the scheduler takes), and the ack's tag stayed in the channel's set of
     acked tags for the life of the process. A message that was recorded (the notifier's queue is
-    acknowledged) is acked as before."""
+    acknowledged) is acked as before. A reject is the same: for a message never recorded there is
+    nothing to erase or to put back (kombu's requeue reads it from the unacked index)."""
 
     def ack(self, delivery_tag):
         if delivery_tag in self._delivered:
             super().ack(delivery_tag)
+
+    def reject(self, delivery_tag, requeue=False):
+        if delivery_tag in self._delivered:
+            super().reject(delivery_tag, requeue=requeue)
 
 
 class Channel(redis.Channel):
