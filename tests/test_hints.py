@@ -1,6 +1,7 @@
 """Log hints: every writer of an agent sends through one event loop, without waiting."""
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -52,6 +53,7 @@ def test_hints_of_many_writers_arrive_through_one_loop(redis_layer):
 
 def test_hints_beyond_the_limit_are_dropped_not_queued(redis_layer, monkeypatch):
     monkeypatch.setattr(hints, "MAX_IN_FLIGHT", 0)
+    async_to_sync(redis_layer.group_add)("job-1", async_to_sync(redis_layer.new_channel)())  # watched
     sender = hints.HintSender()
     assert not sender.send("job-1", {"type": "log.appended", "attempt": 1, "seq": 0})
     assert sender.dropped == 1 and sender.loop is None
@@ -61,3 +63,45 @@ def test_no_layer_no_hint(settings):
     settings.CHANNEL_LAYERS = {}
     channel_layers.backends.clear()
     assert not hints.HintSender().send("job-1", {"type": "log.appended", "attempt": 1, "seq": 0})
+
+
+def test_a_hint_nobody_would_receive_is_not_sent(redis_layer):
+    """A job nobody watches (most of them) costs no send: one look at its group's members."""
+    sender = hints.HintSender()
+    hint = {"type": "log.appended", "attempt": 1, "seq": 1}
+    assert not sender.send("job-7", hint)
+    assert sender.unwatched == 1 and sender.loop is None  # no loop was needed for it
+
+    viewer = async_to_sync(redis_layer.new_channel)()
+    async_to_sync(redis_layer.group_add)("job-7", viewer)
+    assert sender.send("job-7", hint)
+    assert async_to_sync(redis_layer.receive)(viewer)["seq"] == 1
+
+    async_to_sync(redis_layer.group_discard)("job-7", viewer)
+    assert not sender.send("job-7", hint)
+    assert sender.unwatched == 2
+
+
+def test_a_member_past_the_groups_expiry_does_not_count(redis_layer):
+    """group_send would drop it without sending: the look agrees."""
+    redis_layer.group_expiry = 1
+    viewer = async_to_sync(redis_layer.new_channel)()
+    async_to_sync(redis_layer.group_add)("job-8", viewer)
+    sender = hints.HintSender()
+    assert sender.watched(redis_layer, "job-8")
+    time.sleep(2.1)  # its score (whole seconds) is then at or before the cut-off
+    assert not sender.watched(redis_layer, "job-8")
+
+
+def test_a_look_that_fails_sends_the_hint_as_before(settings):
+    """Redis not answering the look: the hint goes to the loop, which drops it when it cannot send."""
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": ["redis://127.0.0.1:9"]}}
+    }
+    channel_layers.backends.clear()
+    try:
+        sender = hints.HintSender()
+        assert sender.send("job-9", {"type": "log.appended", "attempt": 1, "seq": 1})
+        assert sender.unwatched == 0
+    finally:
+        channel_layers.backends.clear()
