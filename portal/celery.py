@@ -95,7 +95,31 @@ TRANSPORT_ALIASES["filesystem"] = "portal.celery:AtomicFilesystemTransport"
 TRANSPORT_ALIASES["redis"] = TRANSPORT_ALIASES["rediss"] = "portal.redisbroker:Transport"
 
 
+def settle_configuration(sender, **_) -> None:
+    """Every Celery setting's value, kept as Celery's own (its first map): a setting read
+    (several each send and each message taken) is then one dictionary look-up. Left to
+    itself, Celery looks one up in Django's settings under each of its names, each miss an
+    AttributeError, before its default: ~20 % of a send's CPU (0.98 -> 0.85 ms a send here,
+    with the argument reprs above 0.71). Django's settings are not changed while a process
+    runs; what reads them anew (the broker's URL in a property, the time zone) still does.
+
+    Written into that map itself, not through `conf.update()`: an update also calls its
+    observers, and AMQP's rebuilds its router, a cached property. This runs in whichever
+    thread reads the configuration first, holding it: an agent whose waker thread got here
+    while its main thread was making `app.amqp.queues` (and waited for the configuration)
+    hung for ever (bench/throughput.py: one agent of four took no job). The values are the
+    ones already read, so no observer has anything to do."""
+    from celery.app.defaults import DEFAULTS
+
+    conf = sender.conf
+    conf.changes.update({key: conf[key] for key in DEFAULTS})
+
+
 class HangarCelery(Celery):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_after_configure.connect(settle_configuration, weak=False)
+
     def send_task(self, name, args=None, kwargs=None, **options):
         """A task sent by name keeps its result as the tasks' setting says (task_ignore_result),
         as one sent by its object does (Task.apply_async passes its own). Celery's default is to
@@ -103,6 +127,11 @@ class HangarCelery(Celery):
         dropped it at the next send, two round trips and ~0.4 ms of CPU per message for a result
         no one reads (every dispatch, wake-up and MLflow update is sent by name)."""
         options.setdefault("ignore_result", self.conf.task_ignore_result)
+        # The arguments as the message's headers show them (a worker's log, a monitor): Celery
+        # writes them with its saferepr, made for any object, ~0.1 ms a send; Hangar sends ids,
+        # times and names, which repr() writes alike, cut to the same length.
+        options.setdefault("argsrepr", repr(args or ())[: self.amqp.argsrepr_maxsize])
+        options.setdefault("kwargsrepr", repr(kwargs or {})[: self.amqp.kwargsrepr_maxsize])
         return super().send_task(name, args, kwargs, **options)
 
 

@@ -3,10 +3,15 @@ result backend for nothing (on Redis, a subscription to the result's channel per
 And which queues' messages are kept until acknowledged: the notifier's, not the scheduler's
 wake-ups nor a node's starts (the rows are the record; portal/celery.py)."""
 
+import threading
+
 import pytest
+from celery.app import amqp
+from celery.signals import before_task_publish
+from celery.utils.saferepr import saferepr
 from kombu import Connection
 
-from portal.celery import SCHEDULER_QUEUE, app, ping, taken_without_ack
+from portal.celery import SCHEDULER_QUEUE, HangarCelery, app, ping, taken_without_ack
 from portal.redisbroker import UnrecordedAckQoS
 from tests.services import PrivateRedis
 
@@ -32,6 +37,68 @@ def test_a_task_whose_result_is_read_is_still_followed(monkeypatch):
     assert calls == [result.id]
     sent = app.send_task("hangar.ping", args=[0.0], queue="hangar.test-sends", ignore_result=False)
     assert calls == [result.id, sent.id]
+
+
+def test_a_message_shows_its_arguments_as_celery_would_without_its_saferepr(monkeypatch):
+    """Celery's saferepr was ~0.1 ms of each send; repr() writes Hangar's ids, times and names alike."""
+    sends = [
+        ("hangar.run_attempt", [7, 0], None),  # a dispatch
+        ("hangar.schedule", None, {"requested_at": 1764921600.25, "queue_at": None, "clock": "3f2a"}),  # a wake-up
+        ("hangar.close_run", None, {"job_id": 3}),
+    ]
+    expected = [(saferepr(args or ()), saferepr(kwargs or {})) for _, args, kwargs in sends]
+    monkeypatch.setattr(amqp, "saferepr", lambda *a, **k: pytest.fail("saferepr called"))
+    shown = []
+
+    def headers(sender=None, headers=None, **_):
+        shown.append((headers["argsrepr"], headers["kwargsrepr"]))
+
+    before_task_publish.connect(headers)
+    try:
+        for name, args, kwargs in sends:
+            app.send_task(name, args=args, kwargs=kwargs, queue="hangar.test-sends")
+        app.send_task("hangar.close_run", args=["x" * 5000], queue="hangar.test-sends")
+    finally:
+        before_task_publish.disconnect(headers)
+    assert shown[:3] == expected
+    assert len(shown[3][0]) == app.amqp.argsrepr_maxsize  # cut to Celery's length
+
+
+def test_celery_reads_its_settings_from_one_table(settings):
+    """Every setting in Celery's first map (portal/celery.py settle_configuration): Django's
+    own where it sets one, else Celery's default."""
+    assert app.conf.task_ignore_result is True  # configured by now
+    table = app.conf.changes
+    assert table["task_ignore_result"] is settings.CELERY_TASK_IGNORE_RESULT
+    assert table["broker_url"] == settings.CELERY_BROKER_URL == app.conf.broker_url
+    assert table["task_default_queue"] == SCHEDULER_QUEUE
+    assert table["task_always_eager"] is False and table["task_protocol"] == 2  # Celery's defaults
+
+
+def test_two_threads_reading_a_fresh_configuration_both_go_on():
+    """An agent's waker thread read the configuration first while its main thread was making
+    the app's queues: settling the configuration must not wait for what that thread holds
+    (through conf.update, AMQP's observer rebuilt its router from the queues: both hung)."""
+    fresh = HangarCelery("settle-test", set_as_current=False)  # configured at its first read, as in a new process
+    fresh.conf.update(task_default_queue="hangar.test-settle")
+    others = []
+
+    def making_queues() -> None:  # as `manage.py agent`'s main thread (taken_without_ack)
+        fresh.amqp.queues.new_missing("hangar.test-settle-node")
+
+    def first_read_began(sender, **_) -> None:  # in the reading thread, before it settles
+        other = threading.Thread(target=making_queues, daemon=True)
+        other.start()
+        other.join(0.3)  # it now waits for this read, holding what it was making
+        others.append(other)
+
+    fresh.on_configure.connect(first_read_began, weak=False)
+    reader = threading.Thread(target=lambda: fresh.conf.task_default_queue, daemon=True)  # the waker's send
+    reader.start()
+    reader.join(10)
+    others[0].join(10)
+    assert not reader.is_alive() and not others[0].is_alive()
+    assert fresh.conf.changes["task_default_queue"] == "hangar.test-settle"
 
 
 def left_to_redeliver(queue_name: str) -> int:
