@@ -22,12 +22,11 @@ import redis
 from channels.layers import get_channel_layer
 from channels_redis.core import RedisChannelLayer
 
+from portal.redisclients import redis_client
+
 log = logging.getLogger("hangar.agent")
 
 MAX_IN_FLIGHT = 1000  # hints not yet sent (the layer is slow or down): more are dropped
-# The look at a group's members waits this long at most (the storer that stores the lines
-# asks it): a Redis that does not answer delays a batch of lines this much, not its 30 s.
-WATCHED_TIMEOUT_SECONDS = 0.5
 
 
 class HintSender:
@@ -37,7 +36,6 @@ class HintSender:
         self.in_flight = 0
         self.dropped = 0
         self.unwatched = 0  # hints not sent: nobody was in their group
-        self.clients: dict[int, redis.Redis] = {}  # by the layer's host index
 
     def send(self, group: str, message: dict) -> bool:
         """Queue the hint for the group; False when there is no layer, nobody in the group
@@ -69,27 +67,21 @@ class HintSender:
         layer's group_expiry and sends to the rest, so a count of the others is its answer.
         A viewer that joins after this look misses no line: its consumer joins the group
         before its first read of the stored lines (jobs/consumers.py), as with a hint sent to
-        a group it was not yet in. Another layer, or a look that failed: the hint is sent."""
+        a group it was not yet in. The look waits a second at most (redis_client's timeout:
+        the storer asks it, so a Redis that does not answer delays a batch of lines that
+        much, not the layer's 30 s). Another layer or a host not given by its URL, or a look
+        that failed: the hint is sent."""
         if not isinstance(layer, RedisChannelLayer):
             return True
-        index = layer.consistent_hash(group)
+        address = layer.hosts[layer.consistent_hash(group)].get("address")
+        if address is None:
+            return True
+        since = int(time.time()) - layer.group_expiry  # group_send's own cut-off, excluded
         try:
-            if (client := self.clients.get(index)) is None:
-                client = self._client(layer, index)
-            since = int(time.time()) - layer.group_expiry  # group_send's own cut-off, excluded
-            return client.zcount(layer._group_key(group), f"({since}", "+inf") > 0
+            return redis_client(address).zcount(layer._group_key(group), f"({since}", "+inf") > 0
         except (redis.RedisError, OSError) as exc:
             log.debug("log hint: the group's members not read (%s): sent", exc)
             return True
-
-    def _client(self, layer, index: int) -> redis.Redis:
-        host = dict(layer.hosts[index])
-        options = {"socket_timeout": WATCHED_TIMEOUT_SECONDS, "socket_connect_timeout": WATCHED_TIMEOUT_SECONDS}
-        if "address" not in host:  # a host given by its parts (a sentinel is not: it is sent to)
-            raise redis.RedisError("not a Redis address")
-        client = redis.Redis.from_url(host["address"], **options)
-        with self.lock:
-            return self.clients.setdefault(index, client)
 
     def _sent(self, future) -> None:
         with self.lock:

@@ -4,7 +4,6 @@ With Redis (REDIS_URL) the count is shared by every web worker: a fixed window p
 in Redis, one round trip per request. Without it each process counts in its own memory,
 so with several workers a token may make up to (workers x limit) requests."""
 
-import functools
 import logging
 
 import redis
@@ -12,13 +11,9 @@ from django.conf import settings
 from rest_framework.throttling import SimpleRateThrottle
 
 from portal.models import ApiToken
+from portal.redisclients import redis_client
 
 log = logging.getLogger("hangar.api")
-
-
-@functools.cache
-def redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
 
 
 class TokenRateThrottle(SimpleRateThrottle):
