@@ -39,7 +39,9 @@ def test_submit_from_the_form_and_watch_lines_arrive(browser, stack):
     page.fill("input[name=gpus_per_node]", "2")
     page.click("button.primary")
 
-    page.wait_for_selector("#log .line.stdout")  # the first line arrives while the job runs
+    # The first line arrives while the job runs: placement, preflight and the viewer's read come
+    # first, which on a loaded CI machine took more than Playwright's default 30 s once.
+    page.wait_for_selector("#log .line.stdout", timeout=120000)
     page.wait_for_selector("text=step 7 loss=0.125", timeout=30000)
     page.wait_for_selector("#job-state[data-state=succeeded]", timeout=30000)
     texts = page.locator("#log .line.stdout").all_inner_texts()

@@ -153,9 +153,9 @@ def test_drill_4_a_placement_whose_task_was_never_published_runs_once(stack):
     assert "no agent started it" in first["reason"]
     assert second["state"] == "succeeded"
     assert ran == ["ran attempt 2"]  # the job's command ran once
-    assert (
-        lost_after is not None and lost_after <= START_TIMEOUT + INTERVAL + 2
-    )  # + the API poll and a loaded machine's delay
+    # + the replacement scheduler's start-up (a Django process), the API poll and a loaded
+    # machine's delay: CI read 7.6 s on a run 3.6 times slower than usual.
+    assert lost_after is not None and lost_after <= START_TIMEOUT + INTERVAL + 5
 
 
 # --- drill 6: poison jobs -----------------------------------------------------------------

@@ -134,8 +134,10 @@ def test_a_cancelled_ray_job_leaves_no_ray_process(stack):
 
 
 def test_a_ray_job_past_its_max_runtime_is_stopped_with_its_cluster(stack):
-    job = ray_job(stack, SLEEPER, gpus_per_node=1, max_runtime_seconds=45)
-    done = stack.wait_for(job["id"], DONE, timeout=180)
+    # Long enough for Ray's cluster and driver to be up before the stop, on a slow machine too
+    # (at 45 s one run was stopped before its driver printed).
+    job = ray_job(stack, SLEEPER, gpus_per_node=1, max_runtime_seconds=90)
+    done = stack.wait_for(job["id"], DONE, timeout=240)
     assert (done["state"], done["failure_class"]) == ("failed", "timeout")
     assert any(line["text"] == "driver up" for line in lines_of(stack, job["id"]))  # it ran until stopped
     assert no_ray_process_left() == []
