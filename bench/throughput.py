@@ -8,7 +8,8 @@ each) at once, waits for all of them, and reads the attempts' own timings:
 - the hand-off gap per GPU: from an attempt's end being recorded to the next
   attempt's process starting on the same GPU (p50/p99/max; only while jobs waited),
   and apart, those after the release's first BURST_SECONDS: at first every GPU's job
-  starts at once and ends at once, and that burst makes most of the p99;
+  starts at once and ends at once, and that burst makes most of the p99; and the longest 1 %
+  in stages (placed after the end, taken by the agent, preflight), with when they began;
 - from the fleet's release (every job queued first: the nodes are cordoned while they are
   submitted) to the process's start, p50/p99;
 - CPU seconds per job of the scheduler, the agents, the web server and the database.
@@ -45,6 +46,10 @@ def percentile(values: list[float], pct: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
+
+
+def millis(delta) -> float:
+    return delta.total_seconds() * 1000
 
 
 def cpu_seconds(pid: int) -> float:
@@ -164,14 +169,25 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
             for gpu in rank["gpus"]:
                 by_gpu[(rank["node_id"], gpu)].append(a)
     queued_until = max(a.running_at for a in attempts if a.running_at)  # jobs waited until the last one started
-    gaps, after_burst = [], []
+    gaps, after_burst, parts = [], [], []
     for runs in by_gpu.values():
         runs = sorted((a for a in runs if a.running_at and a.finished_at), key=lambda a: a.running_at)
         for before, after in zip(runs, runs[1:], strict=False):
             if after.running_at <= queued_until:
-                gaps.append((after.running_at - before.finished_at).total_seconds() * 1000)
+                gaps.append(millis(after.running_at - before.finished_at))
                 if (before.finished_at - released).total_seconds() >= BURST_SECONDS:
                     after_burst.append(gaps[-1])
+                # The gap in stages: placed after the end was recorded, taken by the agent, preflight.
+                parts.append(
+                    (
+                        gaps[-1],
+                        millis(before.finished_at - released),
+                        millis(after.scheduled_at - before.finished_at),
+                        millis(after.started_at - after.scheduled_at) if after.started_at else float("nan"),
+                        millis(after.running_at - after.started_at) if after.started_at else float("nan"),
+                    )
+                )
+    longest = sorted(parts, reverse=True)[: max(1, len(parts) // 100)]
     starts = [  # from the fleet's release (every job was queued by then)
         (a.running_at - released).total_seconds() * 1000 for a in attempts if a.running_at is not None
     ]
@@ -199,6 +215,7 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
         "efficiency": (count * duration / gpus) / makespan if duration else float("nan"),
         "gaps": gaps,
         "gaps_after_burst": after_burst,
+        "longest_gaps": longest,
         "starts": starts,
         "attempts": len(attempts),
         "succeeded": sum(1 for j in jobs.values() if j.state == "succeeded"),
@@ -227,6 +244,12 @@ def report(label: str, result: dict) -> None:
         print(
             f"  hand-off gap after the release's first {BURST_SECONDS:g} s ({len(later)}): "
             f"p50 {percentile(later, 50):.0f} ms, p99 {percentile(later, 99):.0f} ms"
+        )
+    if longest := result["longest_gaps"]:
+        mean = [sum(column) / len(longest) for column in zip(*longest, strict=True)]
+        print(
+            f"  the {len(longest)} longest hand-offs (1 %), mean ms: gap {mean[0]:.0f}, its end {mean[1]:.0f} after "
+            f"the release; placed {mean[2]:.0f}, taken {mean[3]:.0f}, preflight {mean[4]:.0f}"
         )
     stages = ", ".join(
         f"{name} {percentile(values, 50):.0f}/{percentile(values, 99):.0f}" for name, values in result["stages"].items()
