@@ -27,6 +27,7 @@ from portal.redisclients import redis_client
 log = logging.getLogger("hangar.agent")
 
 MAX_IN_FLIGHT = 1000  # hints not yet sent (the layer is slow or down): more are dropped
+LOOK_AGAIN_SECONDS = 5.0  # after a look at a group's members failed: hints are sent unlooked meanwhile
 
 
 class HintSender:
@@ -36,6 +37,7 @@ class HintSender:
         self.in_flight = 0
         self.dropped = 0
         self.unwatched = 0  # hints not sent: nobody was in their group
+        self.look_again_at = 0.0  # time.monotonic(): until then, no look (the last one failed)
 
     def send(self, group: str, message: dict) -> bool:
         """Queue the hint for the group; False when there is no layer, nobody in the group
@@ -70,8 +72,10 @@ class HintSender:
         a group it was not yet in. The look waits a second at most (redis_client's timeout:
         the storer asks it, so a Redis that does not answer delays a batch of lines that
         much, not the layer's 30 s). Another layer or a host not given by its URL, or a look
-        that failed: the hint is sent."""
-        if not isinstance(layer, RedisChannelLayer):
+        that failed: the hint is sent, and for LOOK_AGAIN_SECONDS after a failure every hint
+        is sent without a look (the loop, not the storer, then waits on that Redis), so a
+        Redis that does not answer holds no job's lines back by a second a batch."""
+        if not isinstance(layer, RedisChannelLayer) or time.monotonic() < self.look_again_at:
             return True
         address = layer.hosts[layer.consistent_hash(group)].get("address")
         if address is None:
@@ -81,6 +85,7 @@ class HintSender:
             return redis_client(address).zcount(layer._group_key(group), f"({since}", "+inf") > 0
         except (redis.RedisError, OSError) as exc:
             log.debug("log hint: the group's members not read (%s): sent", exc)
+            self.look_again_at = time.monotonic() + LOOK_AGAIN_SECONDS
             return True
 
     def _sent(self, future) -> None:

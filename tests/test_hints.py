@@ -5,6 +5,7 @@ import time
 import uuid
 
 import pytest
+import redis
 from asgiref.sync import async_to_sync
 from channels.layers import channel_layers
 
@@ -105,3 +106,23 @@ def test_a_look_that_fails_sends_the_hint_as_before(settings):
         assert sender.unwatched == 0
     finally:
         channel_layers.backends.clear()
+
+
+def test_after_a_failed_look_hints_go_unlooked_for_a_while(redis_layer, monkeypatch):
+    """A Redis that does not answer the look (a second each) must not hold every batch of
+    lines back: after one failure the storer does not ask again for LOOK_AGAIN_SECONDS."""
+    looks = []
+
+    class Unanswering:
+        def zcount(self, *args):
+            looks.append(args)
+            raise redis.TimeoutError("Timeout reading from socket")
+
+    monkeypatch.setattr(hints, "redis_client", lambda url: Unanswering())
+    sender = hints.HintSender()
+    for _ in range(3):
+        assert sender.watched(redis_layer, "job-10")
+    assert len(looks) == 1
+    sender.look_again_at = time.monotonic() - 1  # the back-off is over: the next hint looks again
+    assert sender.watched(redis_layer, "job-10")
+    assert len(looks) == 2
