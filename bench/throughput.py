@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TICKS = os.sysconf("SC_CLK_TCK")
+STAGES = ("placed", "taken", "preflight", "run+record")
 BURST_SECONDS = 5.0  # after the release: the hand-offs of the jobs that all started at once
 
 
@@ -169,44 +170,42 @@ def measure(stack, count: int, command: list[str], duration: float, gpus: int) -
             for gpu in rank["gpus"]:
                 by_gpu[(rank["node_id"], gpu)].append(a)
     queued_until = max(a.running_at for a in attempts if a.running_at)  # jobs waited until the last one started
-    gaps, after_burst, parts = [], [], []
-    for runs in by_gpu.values():
-        runs = sorted((a for a in runs if a.running_at and a.finished_at), key=lambda a: a.running_at)
-        for before, after in zip(runs, runs[1:], strict=False):
-            if after.running_at <= queued_until:
-                gaps.append(millis(after.running_at - before.finished_at))
-                if (before.finished_at - released).total_seconds() >= BURST_SECONDS:
-                    after_burst.append(gaps[-1])
-                # The gap in stages: placed after the end was recorded, taken by the agent, preflight.
-                parts.append(
-                    (
-                        gaps[-1],
-                        millis(before.finished_at - released),
-                        millis(after.scheduled_at - before.finished_at),
-                        millis(after.started_at - after.scheduled_at) if after.started_at else float("nan"),
-                        millis(after.running_at - after.started_at) if after.started_at else float("nan"),
-                    )
-                )
-    longest = sorted(parts, reverse=True)[: max(1, len(parts) // 100)]
-    starts = [  # from the fleet's release (every job was queued by then)
-        (a.running_at - released).total_seconds() * 1000 for a in attempts if a.running_at is not None
-    ]
-    # Where an attempt's time goes, stage by stage (ms): placed after the GPU it took was freed
-    # (or after the release), picked up by its agent, preflight, and from the process's start to its end recorded.
-    freed = {}
+    # Each GPU's attempts in turn: the hand-off gaps (while jobs waited), and when each attempt's
+    # GPUs were all freed (the end of the latest attempt before it on any of them).
+    gaps, after_burst, handed, freed = [], [], [], {}
     for runs in by_gpu.values():
         runs = sorted((a for a in runs if a.running_at and a.finished_at), key=lambda a: a.running_at)
         for before, after in zip(runs, runs[1:], strict=False):
             freed[after.pk] = max(freed.get(after.pk, before.finished_at), before.finished_at)
-    stages = defaultdict(list)
+            if after.running_at <= queued_until:
+                gaps.append(millis(after.running_at - before.finished_at))
+                ended = millis(before.finished_at - released)
+                if ended >= BURST_SECONDS * 1000:
+                    after_burst.append(gaps[-1])
+                handed.append((gaps[-1], ended, after.pk))
+    # From the fleet's release: every job was queued by then.
+    starts = [millis(a.running_at - released) for a in attempts if a.running_at is not None]
+    # Where an attempt's time goes, stage by stage (ms): placed after the GPU it took was freed
+    # (or after the release), picked up by its agent, preflight, and from the process's start to its end recorded.
+    stages, stages_of = defaultdict(list), {}
     for a in attempts:
         if not (a.started_at and a.running_at and a.finished_at):
             continue
         ready = max(freed.get(a.pk, released), released)
-        stages["placed"].append((a.scheduled_at - ready).total_seconds() * 1000)
-        stages["taken"].append((a.started_at - a.scheduled_at).total_seconds() * 1000)
-        stages["preflight"].append((a.running_at - a.started_at).total_seconds() * 1000)
-        stages["run+record"].append((a.finished_at - a.running_at).total_seconds() * 1000)
+        stages_of[a.pk] = (
+            millis(a.scheduled_at - ready),
+            millis(a.started_at - a.scheduled_at),
+            millis(a.running_at - a.started_at),
+            millis(a.finished_at - a.running_at),
+        )
+        for name, ms in zip(STAGES, stages_of[a.pk], strict=True):
+            stages[name].append(ms)
+    # The longest 1 % of the hand-offs: the gap, when the attempt before it ended, and the stages of the one after.
+    longest = [
+        (gap, ended, *stages_of[pk][:3])
+        for gap, ended, pk in sorted(handed, reverse=True)[: max(1, len(handed) // 100)]
+        if pk in stages_of
+    ]
     return {
         "makespan_s": makespan,
         "submit_s": submitted,
