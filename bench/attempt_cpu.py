@@ -7,10 +7,10 @@ runs the pieces of one job in one process, in turn, and counts the CPU each take
 - submit: `submit_job` (what the web server does for POST /api/v1/jobs/, less HTTP);
 - pass: a scheduling pass that places 8 jobs, per job placed;
 - attempt: the agent's side of an `echo` attempt, `agent.runner.run_attempt` from begin
-  through preflight, spawn, output and the recorded outcome (with its cost, MLflow run
-  and the receivers of its end), counted over all the threads it uses;
-- close: what the notifier does after it (`hangar.close_run`: the job's state, cost and
-  final status on its MLflow run).
+  through preflight, spawn, output and the recorded outcome (with its MLflow run and the
+  receivers of its end), counted over all the threads it uses;
+- close: what the notifier does a moment after it (jobs/settling.py `settle`: the attempt's
+  cost, the job's state, cost and final status on its MLflow run).
 
 On PostgreSQL each step's figure also gives the database's own CPU for it: the server
 processes of the bench's database (read from /proc: the server runs on this machine),
@@ -139,8 +139,8 @@ def one_round(
     from fleet.models import Node
     from jobs.api.serializers import JobSubmitSerializer
     from jobs.scheduler import schedule_pass
+    from jobs.settling import settle
     from jobs.submission import submit_job
-    from jobs.tasks import close_run
 
     spec = {"project": "bench", "name": "echo", "command": ["echo", "hello"], "gpus_per_node": 1}
 
@@ -163,8 +163,8 @@ def one_round(
     for attempt in placed:
         runner.run_attempt(attempt.pk, 0)
     marks.append(mark())
-    for attempt in placed:  # the notifier's task for each (sent by the attempt's end)
-        close_run(attempt.job_id)
+    for attempt in placed:  # what the notifier does for each, a moment after its end
+        settle(attempt.pk)
     marks.append(mark())
     steps = {}
     for name, (before, after) in zip(STEPS, zip(marks, marks[1:], strict=False), strict=True):

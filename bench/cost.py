@@ -139,7 +139,7 @@ def fake_job(rng, job_id, start, owners, nodes, daily):
             Attempt(
                 job_id=job_id, number=number, state=state, failure_class=fc, node=nodes[gpu_type],
                 gpu_indices=list(range(gpus)), queued_at=at, scheduled_at=began, started_at=began,
-                running_at=ran, finished_at=ended,
+                running_at=ran, finished_at=ended, priced_at=ended,
             )
         )  # fmt: skip
         rate = Decimal(str(GPU_TYPES[gpu_type])) / 3600

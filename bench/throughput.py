@@ -107,7 +107,9 @@ def submit_all(stack, count: int, command: list[str]) -> list[int]:
 
 
 def wait_all(job_ids: list[int], timeout: float) -> None:
-    from jobs.models import FINAL_JOB_STATES, Job
+    """Until every job has ended and every attempt's end is settled (jobs/settling.py: a
+    moment later, in the notifier), so the CPU read after counts all a job made."""
+    from jobs.models import FINAL_JOB_STATES, Attempt, Job
 
     # The bench shares the cores with the stack it measures: its poll must cost little (an IN of
     # 1,000 ids every 0.2 s was ~5 % of a core, with PostgreSQL's share). The jobs were submitted
@@ -120,6 +122,9 @@ def wait_all(job_ids: list[int], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"not every job ended within {timeout:.0f}s")
         time.sleep(0.5)
+    unsettled = Attempt.objects.filter(job__in=jobs, priced_at=None)
+    while unsettled.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def hold_fleet(hold: bool) -> None:

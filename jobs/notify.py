@@ -29,7 +29,7 @@ from fleet import signals as fleet_signals
 from fleet.models import Node
 from jobs.models import Attempt, Budget, Job
 from jobs.models.notify import JOB_EVENTS, NODE_EVENTS, Channel, Delivery, DeliveryState, Event, Subscription
-from jobs.signals import attempt_finished, job_ended
+from jobs.signals import job_ended
 from portal.celery import app
 from portal.models import AuditEvent, Project
 from portal.remembered import forget_on_change, remembered
@@ -85,12 +85,6 @@ def send(task: str, countdown: float | None = None, **kwargs) -> None:
         app.send_task(task, kwargs=kwargs, queue=QUEUE, countdown=countdown)
     except Exception:  # the broker is down: the sweep (`resend_overdue`) sends pending deliveries later
         log.exception("%s %s not sent", task, kwargs)
-
-
-@receiver(attempt_finished)
-def _attempt_finished(sender, attempt: Attempt, **kwargs) -> None:
-    # Its cost was just added (its budget may have crossed a threshold) and its job may have ended.
-    announce("attempt", attempt.pk)
 
 
 @receiver(job_ended)

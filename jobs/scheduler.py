@@ -459,13 +459,16 @@ def dispatch(attempt_id: int, queue: str, rank: int = 0) -> None:
 
 
 def reconcile() -> None:
-    """Mark silent nodes offline, end attempts whose lease expired or that never started."""
+    """Mark silent nodes offline, end attempts whose lease expired or that never started,
+    flag hung jobs, settle ended attempts whose settling never came."""
     Node.mark_silent_offline()
     for attempt in Attempt.expire_leases() + Attempt.expire_unstarted():
         log.warning("attempt %s of job %s ended as lost: %s", attempt.number, attempt.job_id, attempt.reason)
     from jobs.diagnosing import check_hangs
+    from jobs.settling import settle_overdue
 
     check_hangs()
+    settle_overdue()
 
 
 # --- the queue as users see it ----------------------------------------------------

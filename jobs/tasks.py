@@ -31,5 +31,6 @@ def deliver(delivery_id: int) -> str:
 
 @shared_task(name="hangar.close_run")
 def close_run(job_id: int) -> None:
-    """An attempt of the job ended: its state and cost on its MLflow run, closed when the job is over."""
+    """What an older Hangar sent after an attempt's end (messages still queued at an upgrade;
+    the notifier now settles each end itself, jobs/settling.py): its job's state and cost on its MLflow run."""
     tracking.attempt_finished(job_id)

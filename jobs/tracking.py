@@ -26,14 +26,11 @@ from concurrent.futures import Future
 
 from celery.signals import worker_ready
 from django.conf import settings
-from django.db import transaction
-from django.dispatch import receiver
 
 from fleet.models import NODE_QUEUE_PREFIX
 from jobs.models import FINAL_JOB_STATES, Job, PipelineRun
-from jobs.signals import attempt_finished as attempt_ended
 from portal import statements
-from portal.celery import app, freeze_what_is_loaded
+from portal.celery import freeze_what_is_loaded
 
 log = logging.getLogger("hangar.tracking")
 
@@ -379,23 +376,6 @@ def close_parent_run(run: PipelineRun, state: str) -> None:
         update_run(run.mlflow_run_id, {"hangar.state": state}, RUN_STATUS[state])
     except Exception as exc:  # MLflow down: the stages' own runs say how they ended
         log.warning("pipeline run %s: closing its MLflow run failed: %s", run.pk, exc)
-
-
-@receiver(attempt_ended)
-def _close_run_after_commit(sender, attempt, **kwargs) -> None:
-    if enabled():
-        job_id = attempt.job_id
-        transaction.on_commit(lambda: close_in_background(job_id), robust=True)
-
-
-def close_in_background(job_id: int) -> None:
-    """Hand the run's update after an attempt's end to the notifier; written here when the
-    broker refuses the message."""
-    try:
-        app.send_task("hangar.close_run", kwargs={"job_id": job_id}, queue=QUEUE)
-    except Exception as exc:
-        log.warning("job %s: the run's update was not sent (%s); written here", job_id, exc)
-        attempt_finished(job_id)
 
 
 def attempt_finished(job_id: int) -> None:

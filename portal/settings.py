@@ -440,6 +440,12 @@ HANGAR_HEARTBEAT_SECONDS = env_float("HANGAR_HEARTBEAT_SECONDS", 5.0, minimum=0.
 HANGAR_NODE_OFFLINE_SECONDS = env_float("HANGAR_NODE_OFFLINE_SECONDS", 30.0, minimum=1.0)
 HANGAR_LEASE_SECONDS = env_float("HANGAR_LEASE_SECONDS", 30.0, minimum=1.0)
 HANGAR_START_TIMEOUT_SECONDS = env_float("HANGAR_START_TIMEOUT_SECONDS", 120.0, minimum=1.0)
+# An attempt's end is settled (its cost, its MLflow run, its subscribers told) by the notifier
+# once it is this old, looking this often (jobs/settling.py): GPUs freed at once go to the next
+# jobs first. One no notifier settled is settled by the scheduler's reconciler once OVERDUE old.
+HANGAR_SETTLE_DELAY_SECONDS = env_float("HANGAR_SETTLE_DELAY_SECONDS", 1.0, minimum=0.0)
+HANGAR_SETTLE_POLL_SECONDS = env_float("HANGAR_SETTLE_POLL_SECONDS", 0.5, minimum=0.05)
+HANGAR_SETTLE_OVERDUE_SECONDS = env_float("HANGAR_SETTLE_OVERDUE_SECONDS", 60.0, minimum=1.0)
 HANGAR_KILL_GRACE_SECONDS = env_float("HANGAR_KILL_GRACE_SECONDS", 10.0, minimum=0.0)
 HANGAR_DEFAULT_MAX_RUNTIME_SECONDS = env_int("HANGAR_DEFAULT_MAX_RUNTIME_SECONDS", 24 * 3600, minimum=1)
 HANGAR_MAX_REQUEUES = env_int("HANGAR_MAX_REQUEUES", 5, minimum=0)

@@ -10,8 +10,9 @@ from django.db.models import Sum
 from django.test import Client
 from django.utils import timezone
 
+from jobs import scheduler, settling
 from jobs.costs import Rate, attempt_cost, interval_cost, label_for, wasted_share
-from jobs.models import Budget, CostDaily, FailureClass, GpuRate, JobCost, JobState
+from jobs.models import Attempt, Budget, CostDaily, FailureClass, GpuRate, JobCost, JobState
 from tests.factories import api_client, make_attempt, make_job, make_node, make_project, make_user
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -69,8 +70,9 @@ def rate(db):
     return GpuRate.objects.create(gpu_type="H100", effective_from=T0 - 1000 * H, per_gpu_hour=Decimal("2.50"))
 
 
-def run_attempt(job, node, state, failure_class="", minutes=60, preflight_minutes=5, gpus=(0,)):
-    """An attempt that ran for `minutes` (after `preflight_minutes` of preflight) and now ends."""
+def run_attempt(job, node, state, failure_class="", minutes=60, preflight_minutes=5, gpus=(0,), settled=True):
+    """An attempt that ran for `minutes` (after `preflight_minutes` of preflight) and now ends,
+    settled as the notifier settles it a moment later (unless not `settled`)."""
     now = timezone.now()
     attempt = make_attempt(
         job,
@@ -81,6 +83,8 @@ def run_attempt(job, node, state, failure_class="", minutes=60, preflight_minute
         running_at=now - timedelta(minutes=minutes),
     )
     assert attempt.finish(state, failure_class, f"ended {state}")
+    if settled:
+        assert settling.settle(attempt.pk)
     attempt.refresh_from_db()
     return attempt
 
@@ -119,6 +123,49 @@ def test_a_multi_attempt_job_sums_its_attempts_and_labels_the_wasted_ones(projec
     labels = dict(CostDaily.objects.values_list("label", "cost"))
     assert set(labels) == {"lost", "preempted", "succeeded"}
     assert labels["lost"] == costs[0] and labels["preempted"] == costs[1]
+
+
+def test_an_ended_attempt_is_priced_when_it_is_settled_and_only_once(project, owner, node, rate):
+    job = make_job(project, owner)
+    attempt = run_attempt(job, node, "succeeded", settled=False)
+    assert attempt.priced_at is None  # its end freed the GPUs; its cost comes a moment later
+    assert not JobCost.objects.filter(pk=job.pk).exists() and not CostDaily.objects.exists()
+    assert settling.settle(attempt.pk)
+    assert not settling.settle(attempt.pk)  # a second message (a redelivery, the reconciler): nothing added
+    jc = JobCost.objects.get(pk=job.pk)
+    attempt.refresh_from_db()
+    assert jc.attempts == 1 and CostDaily.objects.get().attempts == 1 and attempt.priced_at is not None
+    assert not settling.settle(make_attempt(make_job(project, owner), node, "running").pk)  # not ended: not priced
+
+
+def test_a_jobs_attempts_settled_out_of_order_add_up(project, owner, node, rate):
+    # The first attempt's settling still waits (or was lost) when the requeued second one's comes.
+    job = make_job(project, owner)
+    first = run_attempt(job, node, "lost", FailureClass.INFRA, minutes=30, settled=False)
+    second = run_attempt(job, node, "succeeded", minutes=60)
+    assert JobCost.objects.get(pk=job.pk).attempts == 1
+    assert settling.settle(first.pk)
+    from jobs.models import attempt_cost_of
+
+    jc = JobCost.objects.get(pk=job.pk)
+    assert jc.attempts == 2 and jc.cost == attempt_cost_of(first).cost + attempt_cost_of(second).cost
+    assert jc.wasted_cost == attempt_cost_of(first).cost
+
+
+def test_the_reconciler_settles_an_attempt_no_notifier_settled(project, owner, node, rate, settings):
+    settings.HANGAR_SETTLE_OVERDUE_SECONDS = 60
+    job = make_job(project, owner)
+    attempt = run_attempt(job, node, "succeeded", settled=False)
+    assert settling.settle_overdue() == []  # ended just now: the notifier's to settle
+    later = timezone.now() + timedelta(seconds=61)
+    assert settling.settle_overdue(now=later) == [attempt.pk]
+    assert JobCost.objects.get(pk=job.pk).attempts == 1
+    assert settling.settle_overdue(now=later) == []
+    # The scheduler's periodic reconcile is what runs it.
+    lost = run_attempt(make_job(project, owner, name="no notifier"), node, "failed", "user", settled=False)
+    Attempt.objects.filter(pk=lost.pk).update(finished_at=timezone.now() - timedelta(seconds=61))
+    scheduler.reconcile()
+    assert JobCost.objects.get(pk=lost.job_id).attempts == 1
 
 
 def test_a_writer_that_loses_the_race_to_create_a_days_row_adds_to_the_winners(project, owner, monkeypatch):

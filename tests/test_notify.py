@@ -13,7 +13,7 @@ import pytest
 from django.core import mail
 from django.utils import timezone
 
-from jobs import notify, tasks
+from jobs import notify, settling, tasks
 from jobs.models import AttemptState, Budget, CostDaily, Delivery, FailureClass, JobState, Subscription
 from portal.models import AuditEvent
 from tests.factories import make_attempt, make_job, make_node
@@ -301,9 +301,13 @@ def test_nothing_is_sent_to_the_broker_while_nobody_subscribed(
     job, attempt = fail_job(project, owner)
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish(AttemptState.FAILED, FailureClass.USER, "exit code 1", exit_code=1)
+        settling.settle(attempt.pk)  # as the notifier does a moment later: the event is told then
     assert messages() == before
     subscribe(owner, receiver().url, ["job.failed"], project=project)
     job, attempt = fail_job(project, owner, node=attempt.node, name="second")
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish(AttemptState.FAILED, FailureClass.USER, "exit code 1", exit_code=1)
+    assert messages() == before  # the event is told once its end is settled, with its cost
+    with django_capture_on_commit_callbacks(execute=True):
+        settling.settle(attempt.pk)
     assert messages() == before + 1

@@ -1,11 +1,11 @@
 """MLflow runs per job, the metrics endpoint, the reproduce record, run again and compare."""
 
-import base64
-import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from subprocess import PIPE
 
 import pytest
@@ -13,7 +13,7 @@ from django.test import Client
 from django.utils import timezone
 
 from agent.runner import Runner
-from jobs import reproduce, tasks, tracking
+from jobs import reproduce, settling, tracking
 from jobs.models import Environment, Job, JobCost
 from tests.factories import api_client, make_attempt, make_job, make_node, services_database
 from tests.livestack import BASE_DIR
@@ -200,34 +200,23 @@ def test_hangars_writes_on_the_embedded_store_keep_what_mlflows_sessions_set(mlf
         assert db.execute(text("PRAGMA busy_timeout")).scalar() == 20000
 
 
-def tracking_messages(settings) -> dict[str, dict]:
-    """The messages waiting in the embedded broker for the notifier's tracking queue, by file
-    (an earlier test's job may have had the same id; the folder is every test worker's)."""
-    found = {}
-    for file in (settings.BROKER_DIR / "queue").glob("*.hangar.tracking.msg"):
-        message = json.loads(file.read_text())
-        found[file.name] = {"task": message["headers"]["task"], **json.loads(base64.b64decode(message["body"]))[1]}
-    return found
-
-
-def test_the_run_gets_the_final_status_and_the_cost(
+def test_the_run_gets_the_final_status_and_the_cost_when_the_end_is_settled(
     mlflow_store, settings, job, node, django_capture_on_commit_callbacks
 ):
-    if not settings.CELERY_BROKER_URL.startswith("filesystem://"):
-        pytest.skip("reads the embedded broker's message files")
     runner_env(job, node)
     job.refresh_from_db()
     tracking.client().log_metric(job.mlflow_run_id, "loss", 0.5, step=1)
     attempt = job.attempts.get()
-    before = tracking_messages(settings)
+    settings.HANGAR_SETTLE_DELAY_SECONDS = 1.0
+    queue = settings.BROKER_DIR / "queue"
+    before = set(queue.glob("*.hangar.tracking.msg"))
     with django_capture_on_commit_callbacks(execute=True):
         attempt.finish("failed", "user", "exited with code 1", 1)
-    # The agent only sends the update; the notifier writes it (its task, run here). Another test
-    # worker's job may send one to the same folder meanwhile (their job ids are offset apart).
-    sent = [m for name, m in tracking_messages(settings).items() if name not in before and m.get("job_id") == job.pk]
-    assert sent == [{"task": "hangar.close_run", "job_id": job.pk}]
+    # The end sends nothing: the notifier settles it once it is a second old.
+    assert set(queue.glob("*.hangar.tracking.msg")) <= before
     assert tracking.client().get_run(job.mlflow_run_id).info.status == "RUNNING"
-    tasks.close_run(**{k: v for k, v in sent[0].items() if k != "task"})
+    assert settling.settle_due() == [] and not JobCost.objects.filter(pk=job.pk).exists()
+    assert settling.settle_due(now=timezone.now() + timedelta(seconds=1.1)) == [attempt.pk]
     run = tracking.client().get_run(job.mlflow_run_id)
     assert run.info.status == "FAILED"
     assert run.data.tags["hangar.cost"] == f"{JobCost.objects.get(pk=job.pk).cost:.4f}"
@@ -257,20 +246,21 @@ def test_an_update_written_while_the_job_moved_on_is_written_again(mlflow_store,
     assert run.data.tags["hangar.state"] == "succeeded" and run.info.status == "FINISHED"
 
 
-def test_a_refused_message_has_the_run_updated_where_the_attempt_ended(mlflow_store, job, node, monkeypatch):
-    from kombu.exceptions import OperationalError
+def test_the_notifier_settles_a_backlog_in_one_round(mlflow_store, settings, job, node, monkeypatch):
+    # After the notifier was down: more ended attempts than one batch, all settled at its next look.
+    from jobs.management.commands import notifier
 
+    settings.HANGAR_SETTLE_DELAY_SECONDS = 0
+    monkeypatch.setattr(settling, "SETTLE_BATCH", 2)
     runner_env(job, node)
     job.refresh_from_db()
-    Job.objects.filter(pk=job.pk).update(state="cancelled")
-
-    def broker_down(*args, **kwargs):
-        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-
-    monkeypatch.setattr(tracking.app, "send_task", broker_down)
-    tracking.close_in_background(job.pk)
-    run = tracking.client().get_run(job.mlflow_run_id)
-    assert run.info.status == "KILLED" and run.data.tags["hangar.state"] == "cancelled"
+    job.attempts.get().finish("failed", "infra", "node lost")
+    for _ in range(4):
+        attempt = make_attempt(job, node, "running")
+        assert attempt.finish("failed", "infra", "node lost")
+    assert notifier.settle_round(threading.Event()) == 5
+    assert JobCost.objects.get(pk=job.pk).attempts == 5
+    assert tracking.client().get_run(job.mlflow_run_id).data.tags["hangar.state"] == Job.objects.get(pk=job.pk).state
 
 
 def test_an_unreachable_mlflow_does_not_stop_the_job_and_the_page_says_why(settings, job, node, owner):

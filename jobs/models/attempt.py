@@ -26,7 +26,7 @@ from portal import statements, wakeup
 @dataclass(frozen=True)
 class JobMoved:
     """The job as the transaction that ended one of its attempts left it: what the receivers
-    of attempt_finished need (its cost, its dependents, its sweep, its pipeline run), read
+    of attempt_finished need (its dependents, its sweep, its pipeline run), read
     once under the job's lock instead of once by each of them."""
 
     pk: int
@@ -58,6 +58,9 @@ class Attempt(models.Model):
     started_at = models.DateTimeField(null=True, blank=True, help_text="The agent took it: preflight began.")
     running_at = models.DateTimeField(null=True, blank=True, help_text="The command started.")
     finished_at = models.DateTimeField(null=True, blank=True)
+    priced_at = models.DateTimeField(
+        null=True, blank=True, help_text="Its cost was added to its job's and the day's (jobs/settling.py)."
+    )
     exit_code = models.IntegerField(null=True, blank=True)
     failure_class = models.CharField(max_length=16, choices=FailureClass.choices, blank=True)
     reason = models.TextField(blank=True)
@@ -85,7 +88,13 @@ class Attempt(models.Model):
                 fields=["job"], condition=Q(state__in=["scheduled", "preflight", "running"]), name="one_live_attempt"
             ),
         ]
-        indexes = [models.Index(fields=["state", "node"])]
+        indexes = [
+            models.Index(fields=["state", "node"]),
+            # The ended attempts not settled yet (jobs/settling.py): a few, each for about a second.
+            models.Index(
+                fields=["finished_at"], name="attempt_unsettled", condition=Q(priced_at=None, finished_at__isnull=False)
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"attempt {self.number} of job {self.job_id}"
@@ -180,11 +189,13 @@ class Attempt(models.Model):
             self.finished_at, self.lease_expires_at = now, None
             job = self._move_job_on(now)
             # First, so the wake-up is the first thing after the commit: the receivers' own
-            # after-commit work (the MLflow run's end, a diagnosis) must not delay the hand-off
-            # of its GPUs to the next job.
+            # after-commit work (its dependents, a diagnosis) must not delay the hand-off of its
+            # GPUs to the next job.
             # Its GPUs are free; the queue changed only if the job was queued again.
             wakeup.request_pass(queue_changed=job.state == JobState.QUEUED)
-            attempt_finished.send(sender=Attempt, attempt=self, job=job)  # its cost, its MLflow run
+            # Its dependents, sweep and pipeline run; its cost and MLflow run come a moment later,
+            # from the notifier (jobs/settling.py).
+            attempt_finished.send(sender=Attempt, attempt=self, job=job)
         return True
 
     def _move_job_on(self, now) -> JobMoved:

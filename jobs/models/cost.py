@@ -1,18 +1,16 @@
 """GPU-hour rates, budgets and what jobs cost: per job, and rolled up per day."""
 
-from datetime import date
+from datetime import date, datetime
 from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q
-from django.dispatch import receiver
 from django.utils import timezone
 
 from jobs.costs import WASTED_LABELS, BudgetStatus, Rate, attempt_cost
 from jobs.models.attempt import Attempt, ranks_of
 from jobs.models.job import Job
-from jobs.signals import attempt_finished
 from portal import statements
 from portal.models import Project
 
@@ -128,21 +126,27 @@ class JobCost(models.Model):
         indexes = [models.Index(fields=["project", "cost"]), models.Index(fields=["gpu_type", "cost"])]
 
     @classmethod
-    def record_attempt(cls, attempt: Attempt, job) -> None:
-        """Add a finished attempt to its job's cost and the day's roll-up (inside the finishing
-        transaction). `job`: the JobMoved its end made; the attempt's own state is in memory."""
-        started_at, running_at, placement, node_id, gpu_indices, gpu_type = attempt_priced.first(pk=attempt.pk)
+    def record_attempt(cls, attempt_id: int) -> int | None:
+        """Add an ended attempt to its job's cost and the day's roll-up, once (jobs/settling.py;
+        in the caller's transaction): its job's id, or None when it has not ended or was priced
+        already. Its job's earlier attempts may be priced after it, in another process: the
+        job's row is made by whichever comes first."""
+        if not attempt_marked_priced.update(pk=attempt_id, now=timezone.now()):
+            return None
+        row = attempt_priced.first(pk=attempt_id)
+        state, failure_class, started_at, running_at, finished_at, placement, node_id, gpu_indices = row[:8]
+        gpu_type, job_id, project_id, user_id, gpus_per_node, nodes = row[8:]
         c = attempt_cost(
-            gpus_of(ranks_of(placement, node_id, gpu_indices), job.gpus),
+            gpus_of(ranks_of(placement, node_id, gpu_indices), gpus_per_node * nodes),
             started_at,
             running_at,
-            attempt.finished_at,
+            finished_at,
             GpuRate.rates_for(gpu_type),
             timezone.now(),
-            attempt.state,
-            attempt.failure_class,
+            state,
+            failure_class,
         )
-        keys = {"project_id": job.project_id, "user_id": job.submitted_by_id, "gpu_type": gpu_type}
+        keys = {"project_id": project_id, "user_id": user_id, "gpu_type": gpu_type}
         wasted = c.cost if c.label in WASTED_LABELS else Decimal(0)
         added = {
             "attempts": 1,
@@ -152,19 +156,9 @@ class JobCost(models.Model):
             "cost": c.cost,
             "wasted_cost": wasted,
         }
-        # No other writer: a job has one live attempt, whose end this is. Its first has no row yet.
-        add_to_row(
-            cls,
-            {"job_id": job.pk},
-            added,
-            keys,
-            also_set={"gpu_type": gpu_type},
-            racing=False,
-            new=attempt.number == 1,
-            adds=job_cost_added,
-        )
-        day = (attempt.finished_at or timezone.now()).date()
-        CostDaily.add(day=day, label=c.label, cost=c, **keys)
+        add_to_row(cls, {"job_id": job_id}, added, keys, also_set={"gpu_type": gpu_type}, adds=job_cost_added)
+        CostDaily.add(day=finished_at.date(), label=c.label, cost=c, **keys)
+        return job_id
 
 
 def add_to_row(
@@ -173,16 +167,11 @@ def add_to_row(
     added: dict,
     create_with: dict,
     also_set: dict | None = None,
-    racing: bool = True,
-    new: bool = False,
     adds: statements.Statement | None = None,
 ) -> None:
     """Add `added` to the row of `model` at `key`, creating it (with `create_with`) when there is
     none: one UPDATE where the row exists, as it does for all but a job's or a day's first
-    attempt; the INSERT first when the caller knows there is none yet (`new`). Two writers
-    creating the same row at once (`racing`): the one that loses adds to the other's. The only
-    writer (not `racing`) inserts with statements.insert: key, create_with and added give
-    every column (no model default is applied).
+    attempt. Two writers creating the same row at once: the one that loses adds to the other's.
     `adds`: the UPDATE as a compiled statement of the key's, added and set values."""
 
     def add() -> int:
@@ -190,14 +179,10 @@ def add_to_row(
             return adds.update(**key, **added, **(also_set or {}))
         return model.objects.filter(**key).update(**_increments(**added), **(also_set or {}))
 
-    if not new and add():
-        return
-    if not racing:  # the row's only writer: its values as they are, without a model instance
-        row = {**key, **create_with, **added}
-        statements.insert(model, tuple(row), [tuple(row.values())])
+    if add():
         return
     try:
-        with transaction.atomic():  # a savepoint: a lost race must not abort the finishing transaction
+        with transaction.atomic():  # a savepoint: a lost race must not abort the caller's transaction
             model.objects.create(**key, **create_with, **added)
     except IntegrityError:
         add()
@@ -314,13 +299,17 @@ def rates_of(gpu_type: str):
     return GpuRate.objects.filter(gpu_type=gpu_type).values_list("effective_from", "per_gpu_hour")
 
 
+@statements.update
+def attempt_marked_priced(pk: int, now: datetime):
+    """An ended attempt's cost, about to be added: marked so, unless it was already."""
+    return Attempt.objects.filter(pk=pk, priced_at=None, finished_at__isnull=False), {"priced_at": now}
+
+
 @statements.query
 def attempt_priced(pk: int):
-    """What an attempt's price is made of: its times, its GPUs and their type."""
-    priced = ("started_at", "running_at", "placement", "node_id", "gpu_indices", "node__gpu_model")
+    """What an attempt's price is made of (its times, its GPUs and their type, its end) and
+    where it is added (its job, project and user)."""
+    priced = ("state", "failure_class", "started_at", "running_at", "finished_at", "placement", "node_id")
+    priced += ("gpu_indices", "node__gpu_model", "job_id", "job__project_id", "job__submitted_by_id")
+    priced += ("job__gpus_per_node", "job__nodes")
     return Attempt.objects.filter(pk=pk).values_list(*priced)[:1]
-
-
-@receiver(attempt_finished)
-def _add_attempt_cost(sender, attempt: Attempt, job, **kwargs) -> None:
-    JobCost.record_attempt(attempt, job)
