@@ -13,7 +13,7 @@ round's starts waited behind it for the CPU and the database: bench/throughput.p
 214-262 ms (median 232) with both settled a second later.
 
 Exactly once: `Attempt.priced_at`, set in the transaction that adds the cost; two settlers
-(the notifier's threads, the scheduler's reconciler) cannot both add it. The scheduler's
+(two notifiers, a notifier and the scheduler's reconciler) cannot both add it. The scheduler's
 reconciler settles what is HANGAR_SETTLE_OVERDUE_SECONDS old, so costs and budgets stay right
 while no notifier runs. Until it is settled an ended attempt's cost is missing from its job's
 and the day's (a budget counts it a second late).
@@ -31,7 +31,7 @@ from jobs.models import Attempt, JobCost
 
 log = logging.getLogger("hangar.settling")
 
-SETTLE_BATCH = 200  # settled per round; the rest at the next
+SETTLE_BATCH = 200  # read at once; a round reads batches until one is short
 
 
 def settle(attempt_id: int) -> bool:
@@ -52,7 +52,14 @@ def settle_due(older_than: float | None = None, now=None) -> list[int]:
     older_than = settings.HANGAR_SETTLE_DELAY_SECONDS if older_than is None else older_than
     cutoff = (now or timezone.now()) - timedelta(seconds=older_than)
     due = Attempt.objects.filter(priced_at=None, finished_at__isnull=False, finished_at__lte=cutoff)
-    return [pk for pk in due.order_by("finished_at").values_list("pk", flat=True)[:SETTLE_BATCH] if settle(pk)]
+    settled = []
+    for pk in due.order_by("finished_at").values_list("pk", flat=True)[:SETTLE_BATCH]:
+        try:
+            if settle(pk):
+                settled.append(pk)
+        except Exception:  # one attempt that cannot be settled must not hold back the ones after it
+            log.exception("attempt %s: settling failed; tried again at the next look", pk)
+    return settled
 
 
 def settle_overdue(now=None) -> list[int]:

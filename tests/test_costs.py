@@ -168,6 +168,24 @@ def test_the_reconciler_settles_an_attempt_no_notifier_settled(project, owner, n
     assert JobCost.objects.get(pk=lost.job_id).attempts == 1
 
 
+def test_an_attempt_that_cannot_be_settled_does_not_hold_back_the_others(project, owner, node, rate, monkeypatch):
+    first = run_attempt(make_job(project, owner, name="first"), node, "succeeded", settled=False)
+    second = run_attempt(make_job(project, owner, name="second"), node, "succeeded", settled=False)
+    record = JobCost.record_attempt
+
+    def fails_for_the_first(attempt_id):
+        if attempt_id == first.pk:
+            raise ValueError("a row this code cannot price")
+        return record(attempt_id)
+
+    monkeypatch.setattr(JobCost, "record_attempt", fails_for_the_first)
+    assert settling.settle_due(older_than=0) == [second.pk]
+    first.refresh_from_db()
+    assert first.priced_at is None and not JobCost.objects.filter(pk=first.job_id).exists()  # tried again later
+    monkeypatch.setattr(JobCost, "record_attempt", record)
+    assert settling.settle_due(older_than=0) == [first.pk]
+
+
 def test_a_writer_that_loses_the_race_to_create_a_days_row_adds_to_the_winners(project, owner, monkeypatch):
     """Two agents finishing the first attempts of a day at once: both find no row, one creates it,
     the other's insert collides and adds to it instead (nothing lost, no second row)."""
