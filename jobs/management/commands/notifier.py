@@ -13,13 +13,15 @@ log = logging.getLogger("hangar.notify")
 SWEEP_SECONDS = 30.0
 
 
-def sweep(stop: threading.Event) -> None:
-    """Send again the deliveries whose message was lost: the database row is the record."""
-    while not stop.wait(SWEEP_SECONDS):
+def repeat(stop: threading.Event, seconds: float, work, what: str) -> None:
+    """Do `work` every `seconds` until `stop`; a failure is logged and never ends the loop."""
+    while not stop.wait(seconds):
         try:
-            notify.resend_overdue()
+            work()
         except DatabaseError as exc:
-            log.warning("notification sweep failed: %s", exc)
+            log.warning("%s failed: %s", what, exc)
+        except Exception:
+            log.exception("%s failed", what)
         finally:
             close_old_connections()
 
@@ -36,19 +38,6 @@ def settle_round(stop: threading.Event) -> int:
     return settled
 
 
-def settle_forever(stop: threading.Event) -> None:
-    """Settle ended attempts a moment after their end: their cost, MLflow run and events (jobs/settling.py)."""
-    while not stop.wait(settings.HANGAR_SETTLE_POLL_SECONDS):
-        try:
-            settle_round(stop)
-        except DatabaseError as exc:
-            log.warning("settling failed: %s", exc)
-        except Exception:  # an error in one round must not end the loop
-            log.exception("settling failed")
-        finally:
-            close_old_connections()
-
-
 class Command(BaseCommand):
     help = "Run the notifier: a Celery worker for webhooks and e-mail; it settles ended attempts (cost, MLflow run)."
 
@@ -57,8 +46,12 @@ class Command(BaseCommand):
 
     def handle(self, *args, concurrency, **options):
         stop = threading.Event()
-        threading.Thread(target=sweep, args=(stop,), daemon=True, name="notify-sweep").start()
-        threading.Thread(target=settle_forever, args=(stop,), daemon=True, name="settle").start()
+        # Deliveries whose message was lost are sent again: the database row is the record.
+        sweep = (stop, SWEEP_SECONDS, notify.resend_overdue, "notification sweep")
+        threading.Thread(target=repeat, args=sweep, daemon=True, name="notify-sweep").start()
+        # Ended attempts settled a moment after their end: cost, MLflow run, events (jobs/settling.py).
+        settle = (stop, settings.HANGAR_SETTLE_POLL_SECONDS, lambda: settle_round(stop), "settling")
+        threading.Thread(target=repeat, args=settle, daemon=True, name="settle").start()
         self.stdout.write("notifier started")
         app.worker_main(
             [
