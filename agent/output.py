@@ -37,7 +37,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from agent import connections, hints
+from agent import connections, helpers, hints
 from agent.watch import observe_output
 from jobs import logmetrics, tracking
 from jobs.logparse import SeverityReader, decode_line, is_fault
@@ -209,7 +209,7 @@ class LogWriter(threading.Thread):
         and its runner then waited out wait_for_streams (2 s, then SIGKILL and 5 s more)."""
         self.expect_streams(len(pipes))
         for pipe, stream in pipes:
-            threading.Thread(target=read_lines, args=(pipe, stream, out), daemon=True).start()
+            helpers.start(read_lines, pipe, stream, out, name=f"{self.name}-{Stream(stream).label.lower()}")
 
     def expect_streams(self, count: int) -> None:
         """`count` more streams will end on this writer. Ends already parsed count against them

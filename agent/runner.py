@@ -31,7 +31,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from agent import connections, envcache, environments, network, running, sandbox, snapshots, watch
+from agent import connections, envcache, environments, helpers, network, running, sandbox, snapshots, watch
 from agent import ray as raycluster
 from agent.output import LogWriter
 from agent.preflight import rendezvous_reachable, run_preflight, run_rendezvous
@@ -732,7 +732,7 @@ class Runner:
         longer than a lease, and a lapsed lease would end the attempt as lost and rerun it."""
         if self.keeping_lease is None:
             self.keeping_lease = threading.Event()
-            threading.Thread(target=self._renew_until, args=(self.keeping_lease,), daemon=True).start()
+            helpers.start(self._renew_until, self.keeping_lease, name=f"lease-{self.attempt.pk}-{self.rank}")
 
     def _renew_until(self, stop: threading.Event) -> None:
         try:
@@ -839,7 +839,7 @@ class InBackground:
         self.done = threading.Event()
         self.value: dict = {}
         self.error: BaseException | None = None
-        threading.Thread(target=self._run, args=(call,), name=name, daemon=True).start()
+        helpers.start(self._run, call, name=name)
 
     def _run(self, call: Callable[[], dict]) -> None:
         try:

@@ -1,0 +1,70 @@
+"""agent/helpers.py: the runners' helper threads, kept and reused."""
+
+import threading
+
+from agent.helpers import IDLE_NAME, Helpers
+
+
+def ran_on(helpers: Helpers, name: str = "helper-test") -> tuple[int, str]:
+    """Run one call on a helper and wait for it: the thread it ran on, and that thread's name then."""
+    seen, done = {}, threading.Event()
+
+    def call():
+        seen["thread"], seen["name"] = threading.get_ident(), threading.current_thread().name
+        done.set()
+
+    helpers.start(call, name=name)
+    assert done.wait(5)
+    return seen["thread"], seen["name"]
+
+
+def wait_idle(helpers: Helpers, count: int) -> None:
+    for _ in range(500):
+        with helpers.lock:
+            if len(helpers.idle) == count:
+                return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{len(helpers.idle)} helpers idle, not {count}")
+
+
+def test_a_call_after_another_runs_on_the_thread_that_finished_it():
+    helpers = Helpers()
+    first, name = ran_on(helpers, "lease-7-0")
+    assert name == "lease-7-0"  # named for its call while it runs, as a thread of its own was
+    wait_idle(helpers, 1)
+    second, _ = ran_on(helpers)
+    assert second == first
+    wait_idle(helpers, 1)
+    assert helpers.idle[0].name == IDLE_NAME and helpers.idle[0].daemon
+
+
+def test_calls_at_once_each_get_a_thread_and_all_stay_for_later():
+    helpers, release = Helpers(), threading.Event()
+    started, threads = threading.Barrier(4), set()
+
+    def blocked():
+        threads.add(threading.get_ident())
+        started.wait(5)  # each waits for the others: they run at once or the barrier breaks
+        release.wait(5)
+
+    for number in range(3):
+        helpers.start(blocked, name=f"reader-{number}")
+    started.wait(5)
+    assert len(threads) == 3
+    release.set()
+    wait_idle(helpers, 3)
+    again = {ran_on(helpers)[0] for _ in range(3)}
+    assert again <= threads  # no new thread: an idle one took each
+
+
+def test_a_call_that_raises_is_logged_and_its_thread_serves_the_next(caplog):
+    helpers = Helpers()
+
+    def broken(what):
+        raise RuntimeError(what)
+
+    helpers.start(broken, "no store", name="mlflow-run")
+    wait_idle(helpers, 1)
+    assert "mlflow-run failed" in caplog.text and "no store" in caplog.text
+    thread = helpers.idle[0].ident
+    assert ran_on(helpers)[0] == thread
