@@ -48,6 +48,7 @@ class Helper(threading.Thread):
             except Exception:
                 log.exception("%s failed", name)
             finally:
+                call = args = None  # an idle helper keeps nothing of its last call (a job's pipes, its runner)
                 self.name = IDLE_NAME
                 self.helpers.rest(self)
 

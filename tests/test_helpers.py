@@ -68,3 +68,21 @@ def test_a_call_that_raises_is_logged_and_its_thread_serves_the_next(caplog):
     assert "mlflow-run failed" in caplog.text and "no store" in caplog.text
     thread = helpers.idle[0].ident
     assert ran_on(helpers)[0] == thread
+
+
+def test_an_idle_helper_keeps_nothing_of_its_last_call():
+    """A reader's last call holds a job's pipe and its writer's queue: an idle helper must not
+    keep them alive until its next call."""
+    import gc
+    import weakref
+
+    class Pipe:
+        pass
+
+    helpers, pipe = Helpers(), Pipe()
+    gone = weakref.ref(pipe)
+    helpers.start(lambda p: None, pipe, name="reader")
+    del pipe
+    wait_idle(helpers, 1)
+    gc.collect()
+    assert gone() is None
