@@ -158,19 +158,20 @@ def weigh(item: tuple | None) -> tuple[int, int]:
     return 1, len(raw)
 
 
-class LogWriter(threading.Thread):
+class LogWriter:
     """Takes one rank's lines from its readers in arrival order, parses them, and stores them in batches.
 
     A batch is whatever arrived while the previous one was being parsed (up to
     MAX_BATCH lines or MAX_BATCH_BYTES), so an idle job's line is stored at
-    once and a flood is stored in large inserts. Parsing runs on this thread and
-    storing on a second one (the storer), one batch apart: the database's time
-    and the parsing overlap instead of adding up (the storer waits on the
-    socket without the GIL).
+    once and a flood is stored in large inserts. Parsing runs on one helper
+    thread (agent/helpers.py) and storing on a second one (the storer), one
+    batch apart: the database's time and the parsing overlap instead of adding
+    up (the storer waits on the socket without the GIL).
     """
 
     def __init__(self, attempt: Attempt, lines: queue.Queue, rank: int = 0, node_id: int | None = None):
-        super().__init__(daemon=True, name=f"logs-{attempt.pk}-{rank}")
+        self.name = f"logs-{attempt.pk}-{rank}"
+        self.running: helpers.Running | None = None  # run(), once started
         self.attempt = attempt
         self.lines = lines
         self.rank = rank
@@ -227,6 +228,17 @@ class LogWriter(threading.Thread):
     def wait_for_streams(self, timeout: float) -> bool:
         return self.streams_done.wait(timeout)
 
+    def start(self) -> None:
+        """Parse and store on a helper thread until close()."""
+        self.running = helpers.start(self.run, name=self.name)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.running is not None:
+            self.running.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self.running is not None and self.running.is_alive()
+
     def system(self, text: str, error: bool) -> None:
         self.put((Stream.SYSTEM, timezone.now(), text.encode(), error))
 
@@ -248,8 +260,7 @@ class LogWriter(threading.Thread):
     def run(self) -> None:
         with _live_lock:
             LIVE_SPOOLS.add(self.spool.path)  # its storer's from now on, not the heartbeat's replay
-        storer = threading.Thread(target=self.store_forever, daemon=True, name=f"{self.name}-store")
-        storer.start()
+        storer = helpers.start(self.store_forever, name=f"{self.name}-store")
         try:
             done = False
             while not done:
@@ -286,7 +297,7 @@ class LogWriter(threading.Thread):
                 LIVE_SPOOLS.discard(self.spool.path)  # lines it could not send: the heartbeat retries them
             connection.close()
 
-    def hand_over(self, rows: list[NewLine] | None, storer: threading.Thread) -> None:
+    def hand_over(self, rows: list[NewLine] | None, storer: helpers.Running) -> None:
         """Queue a parsed batch for the storer; waits while it stores the previous one, unless it died."""
         while storer.is_alive():
             try:
@@ -322,7 +333,7 @@ class LogWriter(threading.Thread):
     def spool_wait(self) -> float:
         return max(0.05, self.retry_at - time.monotonic())
 
-    def parse(self, batch: list, storer: threading.Thread) -> None:
+    def parse(self, batch: list, storer: helpers.Running) -> None:
         rows = []
         for stream, ts, raw, flag in batch:
             if raw is None:

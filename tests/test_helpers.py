@@ -86,3 +86,18 @@ def test_an_idle_helper_keeps_nothing_of_its_last_call():
     wait_idle(helpers, 1)
     gc.collect()
     assert gone() is None
+
+
+def test_a_call_can_be_waited_for_as_a_thread_of_its_own_was():
+    """A log writer's storer is joined at the writer's end, and the writer asks whether it still
+    runs before it waits to hand it a batch."""
+    helpers, go = Helpers(), threading.Event()
+    running = helpers.start(go.wait, 5, name="logs-7-0-store")
+    assert running.is_alive()
+    running.join(0.05)
+    assert running.is_alive()  # the wait ran out, the call has not ended
+    go.set()
+    running.join(5)
+    assert not running.is_alive()
+    with helpers.lock:
+        assert len(helpers.idle) == 1  # back before its end was told: the next start takes it
