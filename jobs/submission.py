@@ -23,7 +23,7 @@ from jobs.api.costs import check_budget
 from jobs.models import Environment, Job, JobEvent, JobState, priority_class, priority_classes
 from jobs.models.environment import requirements_key, requirements_of
 from portal import wakeup
-from portal.models import Project, Role, VolumeMode
+from portal.models import Project, Role, VolumeMode, project_with_role
 
 
 @dataclass
@@ -54,7 +54,7 @@ def submit_job(user, spec: dict, copy_of: Job | None = None) -> Submitted:
 
 
 def project_for(user, slug: str) -> Project:
-    project = Project.objects.with_role(user, Role.MEMBER).filter(slug=slug).first()
+    project = project_with_role(user, slug, Role.MEMBER)
     if project is None:
         mine = ", ".join(Project.objects.with_role(user, Role.MEMBER).values_list("slug", flat=True)) or "none"
         raise ValidationError({"project": f"no project {slug!r} that you can submit to; your projects: {mine}"})

@@ -1,5 +1,6 @@
 """Projects, memberships, API tokens and the audit trail: the access model every app scopes by."""
 
+import functools
 import hashlib
 import secrets
 from datetime import timedelta
@@ -108,6 +109,36 @@ class Membership(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} in {self.project} as {self.role}"
+
+
+def project_with_role(user, slug: str, role: str) -> Project | None:
+    """`Project.objects.with_role(user, role).filter(slug=slug).first()` as a statement compiled
+    once (portal/statements.py): every submit reads it, and building and compiling that query was
+    a fifth of `submit_job`'s CPU."""
+    if user is None or not user.is_authenticated:
+        return None
+    if user.is_superuser:
+        project = project_by_slug.first(slug=slug)
+    else:
+        project = project_by_slug_as(role).first(slug=slug, user_id=user.pk)
+    limit = getattr(user, "token_project_id", None)  # a project-limited API token's (member_of)
+    return None if project is None or (limit and project.pk != limit) else project
+
+
+@statements.query
+def project_by_slug(slug: str):
+    return Project.objects.filter(slug=slug)[:1]
+
+
+@functools.cache
+def project_by_slug_as(role: str) -> statements.Statement:
+    """The project with this slug where the user holds `role` or a higher one (one statement per role)."""
+    roles = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
+
+    def project(slug: str, user_id: int):
+        return Project.objects.filter(slug=slug, memberships__user_id=user_id, memberships__role__in=roles)[:1]
+
+    return statements.query(project)
 
 
 TOKEN_PREFIX = "hgr_"

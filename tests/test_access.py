@@ -358,3 +358,31 @@ def test_the_log_socket_says_final_for_a_finished_job(running_job, owner):
     assert state["final"] is True
     assert state["state"] == "succeeded"
     assert state["exit_code"] == 0
+
+
+def test_the_project_a_submit_reads_is_the_one_with_role_says(roles):
+    """portal.models.project_with_role (a statement compiled once, read by every submit) answers
+    as Project.objects.with_role(...).filter(slug=...).first(), for every role, a superuser, an
+    anonymous user and a project-limited token, in projects the user is in and is not."""
+    from django.contrib.auth.models import AnonymousUser
+
+    from portal.models import Project, Role, project_with_role
+    from tests.factories import make_user
+
+    admin = make_user("root-admin")
+    admin.is_superuser = True
+    limited = make_user("lab-limited")
+    roles["lab"].memberships.create(user=limited, role=Role.MEMBER)
+    roles["other"].memberships.create(user=limited, role=Role.MEMBER)
+    limited.token_project_id = roles["other"].pk  # as the token authentication sets it
+    users = [roles[role] for role in Role.values] + [roles["outsider"], admin, limited, AnonymousUser()]
+    answers = []
+    for user in users:
+        for slug in ("lab", "other", "missing"):
+            for role in Role.values:
+                expected = Project.objects.with_role(user, role).filter(slug=slug).first()
+                assert project_with_role(user, slug, role) == expected, (user, slug, role)
+                answers.append(expected is not None)
+    assert any(answers) and not all(answers)  # both answers were asked for
+    assert project_with_role(limited, "lab", Role.MEMBER) is None  # its token is for `other`
+    assert project_with_role(roles[Role.VIEWER], "lab", Role.MEMBER) is None
