@@ -832,8 +832,8 @@ def rank_env(attempt: Attempt, rank: int, master_addr: str) -> dict[str, str]:
 
 
 class InBackground:
-    """A call run on a thread of its own (with its own database connection, closed after),
-    while the caller goes on; `result()` waits for it."""
+    """A call run on a helper thread (agent/helpers.py; with its own database connection, closed
+    after) while the caller goes on; `result()` waits for it and returns its value or raises its error."""
 
     def __init__(self, call: Callable[[], dict], name: str):
         self.done = threading.Event()
