@@ -22,6 +22,11 @@ class Role(models.TextChoices):
 ROLE_RANK = {Role.VIEWER: 0, Role.MEMBER: 1, Role.MANAGER: 2, Role.ADMIN: 3}
 
 
+def roles_from(role: str) -> list[str]:
+    """`role` and the roles above it."""
+    return [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
+
+
 class ProjectQuerySet(models.QuerySet):
     def visible_to(self, user) -> "ProjectQuerySet":
         """The one place that says which projects a user may see.
@@ -34,7 +39,7 @@ class ProjectQuerySet(models.QuerySet):
 
     def with_role(self, user, role: str) -> "ProjectQuerySet":
         """Projects where the user holds `role` or a higher one."""
-        return self.member_of(user, roles=[r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]])
+        return self.member_of(user, roles=roles_from(role))
 
     def member_of(self, user, roles: list[str] | None = None) -> "ProjectQuerySet":
         """Projects the user is a member of (with one of `roles`, when given); every project
@@ -133,7 +138,7 @@ def project_by_slug(slug: str):
 @functools.cache
 def project_by_slug_as(role: str) -> statements.Statement:
     """The project with this slug where the user holds `role` or a higher one (one statement per role)."""
-    roles = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[role]]
+    roles = roles_from(role)
 
     def project(slug: str, user_id: int):
         return Project.objects.filter(slug=slug, memberships__user_id=user_id, memberships__role__in=roles)[:1]
