@@ -61,22 +61,20 @@ def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_s
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def either_store(request, settings, tmp_path):
-    """MLflow's store on the embedded SQLite file, and on PostgreSQL (services mode's; another
-    dialect and paramstyle for the statements Hangar runs on it)."""
-    settings.DATA_DIR, settings.HANGAR_MLFLOW = tmp_path, True
-    tracking._client = None
-    try:
-        if request.param == "sqlite":
-            settings.MLFLOW_TRACKING_URI = f"sqlite:///{tmp_path}/mlflow.db"
+def either_store(request, settings):
+    """MLflow's store on the embedded SQLite file (mlflow_store), and on PostgreSQL (services
+    mode's; another dialect and paramstyle for the statements Hangar runs on it)."""
+    store = request.getfixturevalue("mlflow_store")
+    if request.param == "sqlite":
+        yield store
+        return
+    with services_database() as services:
+        settings.MLFLOW_TRACKING_URI = services["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://")
+        try:
             yield settings.MLFLOW_TRACKING_URI
-            return
-        with services_database() as services:
-            settings.MLFLOW_TRACKING_URI = services["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://")
-            yield settings.MLFLOW_TRACKING_URI
+        finally:
             tracking.database_store().engine.dispose()  # its pooled connections, before the database goes
-    finally:
-        tracking._client = None
+            tracking._client = None
 
 
 def test_a_run_hangar_writes_reads_back_as_one_mlflow_makes(either_store):
