@@ -370,7 +370,7 @@ def wakeups(monkeypatch) -> list[float]:
     from portal import wakeup
 
     sent: list[float] = []
-    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda requested_at, queue_at: sent.append(time.monotonic()))
+    monkeypatch.setattr(wakeup, "_publish_wakeup", lambda requested_at, queue_at: sent.append(time.monotonic()) or True)
     monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
     return sent
 
@@ -411,8 +411,9 @@ def test_a_burst_of_wakeups_sends_one_at_once_and_one_trailing(wakeups):
 
 
 def slow_sends(monkeypatch, seconds: float) -> tuple[threading.Event, list[tuple[float, float | None, float]]]:
-    """A new waker whose sends each take `seconds`: (set at the first send, and each send's
-    requested_at, queue_at and the wall-clock time it left)."""
+    """A new waker whose sends each take `seconds`, as its last one did (so its requests go to
+    its thread): (set at the first send, and each send's requested_at, queue_at and the
+    wall-clock time it left)."""
     from portal import wakeup
 
     sending, sent = threading.Event(), []
@@ -421,15 +422,95 @@ def slow_sends(monkeypatch, seconds: float) -> tuple[threading.Event, list[tuple
         sent.append((requested_at, queue_at, time.time()))
         sending.set()
         time.sleep(seconds)
+        return True
 
     monkeypatch.setattr(wakeup, "_publish_wakeup", slow_publish)
     monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    wakeup._waker.quick = False
     return sending, sent
 
 
+def test_a_request_after_a_quiet_spell_is_sent_by_its_caller_at_once(monkeypatch):
+    """Not handed to the waker's thread, which got the GIL only once the caller's request
+    was done; the requests within the window after it are the thread's, sent together."""
+    from portal import wakeup
+
+    sent = []
+    publish = lambda requested_at, queue_at: sent.append((threading.current_thread(), time.monotonic())) or True  # noqa: E731
+    monkeypatch.setattr(wakeup, "_publish_wakeup", publish)
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    wakeup.send_pass_request()
+    assert [thread for thread, _ in sent] == [threading.current_thread()]  # sent before the call returned
+    wakeup.send_pass_request()
+    wakeup.send_fleet_pass_request()
+    wait_for(lambda: len(sent) == 2)
+    (_, first), (thread, second) = sent
+    assert thread is wakeup._waker.thread and second - first >= wakeup.WAKEUP_COALESCE_SECONDS * 0.9
+    time.sleep(wakeup.WAKEUP_COALESCE_SECONDS * 1.5)
+    wakeup.send_fleet_pass_request()  # quiet again: its caller sends it
+    assert len(sent) == 3 and sent[2][0] is threading.current_thread()
+
+
+def test_requests_close_together_are_sent_by_the_thread_however_long_they_go_on(monkeypatch):
+    """A flood (many submits a second in one web process) is coalesced by the waker's
+    thread, as it was before callers sent: not one send per rest, by whichever caller came
+    after it ended."""
+    from portal import wakeup
+
+    sent = []
+    monkeypatch.setattr(
+        wakeup, "_publish_wakeup", lambda requested_at, queue_at: sent.append(threading.current_thread()) or True
+    )
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    monkeypatch.setattr(
+        wakeup, "WAKEUP_ALONE_SECONDS", 1.0
+    )  # each request close to the last, however slow this machine
+    ends = time.monotonic() + wakeup.WAKEUP_COALESCE_SECONDS * 6
+    while time.monotonic() < ends:
+        wakeup.send_pass_request()
+        time.sleep(0.005)
+    wait_for(lambda: not wakeup._waker.wanted.is_set() and not wakeup._waker.sending.locked())
+    assert sent[0] is threading.current_thread()  # the first came alone
+    assert len(sent) >= 3 and set(sent[1:]) == {wakeup._waker.thread}  # the rest, over several rests
+
+
+@pytest.mark.parametrize("trouble", ["slow", "failed"])
+def test_after_a_send_in_trouble_requests_go_to_the_thread_until_its_sends_are_quick(monkeypatch, trouble):
+    """A broker down or struggling holds up one caller, not each: after a slow or failed
+    send, asking returns at once and the waker's thread sends; once one of its sends is
+    quick again, a request after a quiet spell is its caller's to send once more."""
+    from portal import wakeup
+
+    sent, troubled = [], [True]
+
+    def publish(requested_at, queue_at):
+        sent.append(threading.current_thread())
+        if troubled[0] and trouble == "slow":
+            time.sleep(wakeup.QUICK_SEND_SECONDS * 2)
+        return not (troubled[0] and trouble == "failed")
+
+    monkeypatch.setattr(wakeup, "_publish_wakeup", publish)
+    monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
+    wakeup.send_pass_request()
+    assert sent == [threading.current_thread()] and not wakeup._waker.quick
+    time.sleep(wakeup.WAKEUP_COALESCE_SECONDS * 1.5)
+    wakeup.send_pass_request()
+    wait_for(lambda: len(sent) == 2)
+    wait_for(lambda: not wakeup._waker.sending.locked())  # that send is over
+    assert sent[1] is wakeup._waker.thread and not wakeup._waker.quick  # not its caller's
+    troubled[0] = False  # the broker is well again: the thread's next send is quick
+    wakeup.send_pass_request()
+    wait_for(lambda: len(sent) == 3)
+    wait_for(lambda: not wakeup._waker.sending.locked())
+    assert sent[2] is wakeup._waker.thread and wakeup._waker.quick
+    time.sleep(wakeup.WAKEUP_COALESCE_SECONDS * 1.5)
+    wakeup.send_pass_request()
+    assert len(sent) == 4 and sent[3] is threading.current_thread()
+
+
 def test_a_request_asked_while_a_wakeup_is_sent_gets_one_after_it(monkeypatch):
-    """Asking never waits on the broker, and a flag raised during a slow send is
-    answered by a later send (its commit may have come after the first one left)."""
+    """Asking does not wait on a slow send of the waker's thread, and a flag raised during
+    it is answered by a later send (its commit may have come after the first one left)."""
     from portal import wakeup
 
     sending, sent = slow_sends(monkeypatch, 1.0)
