@@ -21,8 +21,8 @@ WAKEUP_COALESCE_SECONDS = 0.05
 # once by its caller (`Waker`); those closer together are coalesced. Shorter than an idle
 # node's start: one client submitting job after job, each once the last one started, is
 # never coalesced (bench/start_latency.py submits ~45 ms apart: with every request held to
-# a 50 ms rest after the last send, half of them waited and were placed 10 ms after their
-# commit at p50, against 6.4 sent at once), and callers so send at most 40 a second.
+# a 50 ms rest after the last send, half of them waited, and a job was placed 10 ms after
+# its row was made at p50, against 6.4 sent at once), and callers send at most 40 a second.
 WAKEUP_ALONE_SECONDS = 0.025
 # A send slower than this (a healthy one takes ~0.5 ms) sends the requests after it from the
 # waker's thread, until one of its sends is quick again.
@@ -133,8 +133,8 @@ class Waker:
                 self.send()
 
     def send(self) -> None:
-        """Send the requests not yet sent, if any (another send may have taken them); the
-        caller holds `sending`."""
+        """Send the requests not yet sent, if any (another send may have taken them). Its
+        caller holds `sending`, but for `flush` at exit (a send beside the thread's is harmless)."""
         with self.pending:
             requested_at, queue_at = self.requested_at, self.queue_at
             self.requested_at = self.queue_at = None

@@ -432,7 +432,7 @@ def slow_sends(monkeypatch, seconds: float) -> tuple[threading.Event, list[tuple
 
 def test_a_request_after_a_quiet_spell_is_sent_by_its_caller_at_once(monkeypatch):
     """Not handed to the waker's thread, which got the GIL only once the caller's request
-    was done; the requests within the window after it are the thread's, sent together."""
+    was done; the requests close behind it are the thread's, sent together after its rest."""
     from portal import wakeup
 
     sent = []
@@ -462,14 +462,13 @@ def test_requests_close_together_are_sent_by_the_thread_however_long_they_go_on(
         wakeup, "_publish_wakeup", lambda requested_at, queue_at: sent.append(threading.current_thread()) or True
     )
     monkeypatch.setattr(wakeup, "_waker", wakeup.Waker())
-    monkeypatch.setattr(
-        wakeup, "WAKEUP_ALONE_SECONDS", 1.0
-    )  # each request close to the last, however slow this machine
+    # Each request close to the last, however slow this machine.
+    monkeypatch.setattr(wakeup, "WAKEUP_ALONE_SECONDS", 1.0)
     ends = time.monotonic() + wakeup.WAKEUP_COALESCE_SECONDS * 6
     while time.monotonic() < ends:
         wakeup.send_pass_request()
         time.sleep(0.005)
-    wait_for(lambda: not wakeup._waker.wanted.is_set() and not wakeup._waker.sending.locked())
+    wait_for(lambda: wakeup._waker.requested_at is None and not wakeup._waker.sending.locked())  # all sent
     assert sent[0] is threading.current_thread()  # the first came alone
     assert len(sent) >= 3 and set(sent[1:]) == {wakeup._waker.thread}  # the rest, over several rests
 
