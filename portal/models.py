@@ -47,13 +47,15 @@ class ProjectQuerySet(models.QuerySet):
         a project (one_membership_per_user), so each project comes once."""
         if user is None or not user.is_authenticated:
             return self.none()
-        projects = self
-        if not user.is_superuser:
-            where = {"memberships__user": user, **({"memberships__role__in": roles} if roles else {})}
-            projects = self.filter(**where)
+        projects = self if user.is_superuser else self.held_by(user.pk, roles)
         if limit := getattr(user, "token_project_id", None):
             projects = projects.filter(pk=limit)
         return projects
+
+    def held_by(self, user_id: int, roles: list[str] | None = None) -> "ProjectQuerySet":
+        """Projects with a membership of this user (in one of `roles`, when given): member_of's
+        join, and project_with_role's statement's."""
+        return self.filter(memberships__user_id=user_id, **({"memberships__role__in": roles} if roles else {}))
 
     def with_role_of(self, user) -> "ProjectQuerySet":
         """Annotate `my_role`: the user's role in each project (admin for superusers), in the same query."""
@@ -141,7 +143,7 @@ def project_by_slug_as(role: str) -> statements.Statement:
     roles = roles_from(role)
 
     def project(slug: str, user_id: int):
-        return Project.objects.filter(slug=slug, memberships__user_id=user_id, memberships__role__in=roles)[:1]
+        return Project.objects.filter(slug=slug).held_by(user_id, roles)[:1]
 
     return statements.query(project)
 
