@@ -381,7 +381,14 @@ PG_SCRIPT = textwrap.dedent(
         assert t.fields(mine) == t.fields(theirs) and t.fields(mine.job) == t.fields(theirs.job)
     assert t.attempts_of.rows(job_id=job.pk, state="failed") == [(1, "running")]
     t.json_constant_written(make_attempt(make_job(project, user, name="job-1"), node, "scheduled"))  # a Jsonb
-    t.lists_of_ids_give_what_in_gives([a, b])  # an array: = ANY(%s)
+    t.lists_of_ids_give_what_in_gives([a, b])  # an array: = ANY(%s::bigint[])
+    # The array is compared as the column's type (bigint), not as what psycopg makes of small
+    # ids (smallint[]): only then can the planner hash it where it filters rows by it.
+    sql = t.states_of.compiled["default"].sql
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (VERBOSE, COSTS OFF) " + sql, [[a.pk, b.pk]])
+        plan = " ".join(row[0] for row in cursor.fetchall())
+    assert "::bigint[]" in plan and "smallint" not in plan, plan
     t.Attempt.objects.filter(pk=a.pk).update(state="running")
     since = timezone.now() - timezone.timedelta(minutes=1)
     assert [r["pk"] for r in t.started_since.rows(since=since)] == [a.pk, b.pk]
