@@ -108,8 +108,8 @@ def _adapt_ids(value, connection):
 class AnyOf(Lookup):
     """`field__any=[1, 2, 3]`: the field is one of these integers, in one SQL text for any
     number of them, so a statement can take the list (`list[int]`): PostgreSQL compares with
-    the array (`= ANY(%s::bigint[])`), SQLite reads the list as JSON (`json_each`). An empty
-    list matches nothing.
+    the array (`= ANY(%s::bigint[])` for a bigint column), SQLite reads the list as JSON
+    (`json_each`). An empty list matches nothing.
 
     The array is cast to the column's type: psycopg sends a list of small ids as `smallint[]`,
     and `bigint = smallint` has no hash function of one type for both sides, so where the
