@@ -128,6 +128,10 @@ class Waker:
         while True:
             self.wanted.wait()
             self.wanted.clear()
+            if self.requested_at is None:
+                # A send since took what woke it (a caller's, or this thread's last one, of a
+                # request flagged after it woke): no rest to hold, a request after this one flags it again.
+                continue
             with self.sending:  # held through the rest: a request meanwhile leaves with this send
                 time.sleep(max(0.0, self.rest_until - time.monotonic()))
                 self.send()
