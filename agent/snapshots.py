@@ -2,17 +2,20 @@
 cache, and copied fresh for every rank of every attempt (jobs/snapshots.py stores them).
 
 The agent reaches the portal only through the database (it holds no API token), so it
-reads the snapshot's chunks from there, checks their sha256 and the tarball's members
-again (jobs/snapshots.check_tarball), and unpacks with tarfile's `data` filter into a
-temporary directory that is renamed into place: a cache entry is whole or absent, and two
-ranks unpacking the same hash at once leave one. HANGAR_SNAPSHOT_CACHE_DIR lies under the
-data directory, out of every sandbox's sight.
+reads the snapshot's chunks from there, checks their sha256, checks the tarball again and
+unpacks it within the same bounds as the portal (hangar/tarballs.py: no extraction filter
+needed, so any Python 3.11 does) into a temporary directory that is renamed into place: a
+cache entry is whole or absent, and two ranks unpacking the same hash at once leave one.
+HANGAR_SNAPSHOT_CACHE_DIR lies under the data directory, out of every sandbox's sight.
+
+What is wrong with the snapshot itself raises CodeUnavailable (CodeRefused: its content):
+no node could run it, so the attempt is the user's to fix. An OSError is this node's own
+trouble (a full disk, a permission), which another node may not have.
 """
 
 import hashlib
 import os
 import shutil
-import tarfile
 import tempfile
 import threading
 import time
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from hangar import tarballs
 from jobs import snapshots
 from jobs.models import Snapshot
 
@@ -29,6 +33,11 @@ IN_USE_SECONDS = 600  # a cache entry used this recently may still be being copi
 
 class CodeUnavailable(Exception):
     """The job's snapshot is gone from the database (retention): no attempt can run it."""
+
+
+class CodeRefused(CodeUnavailable):
+    """The job's snapshot cannot be unpacked (refused by the checks, or stored damaged): no
+    node can run it; the message says why and to submit the code again."""
 
 
 def cached(sha256: str, snapshot_id: int | None) -> Path:
@@ -50,7 +59,7 @@ def cached(sha256: str, snapshot_id: int | None) -> Path:
             tarball = Path(scratch) / "code.tar.gz"
             fetch(snapshot, tarball)
             tree = Path(scratch) / "tree"
-            unpack(tarball, tree)
+            unpack(tarball, tree, sha256)
             try:
                 tree.rename(entry)
             except OSError:  # another agent on this node renamed its copy first: the same bytes
@@ -90,21 +99,26 @@ def fetch(snapshot: Snapshot, path: Path) -> None:
             digest.update(chunk)
             out.write(chunk)
     if digest.hexdigest() != snapshot.sha256:
-        raise OSError(f"code snapshot {snapshot.sha256} reads back as {digest.hexdigest()}: stored chunks damaged")
+        raise CodeRefused(
+            f"code snapshot {snapshot.sha256[:12]} reads back as {digest.hexdigest()[:12]}: its stored chunks "
+            "are damaged; submit again with --code"
+        )
 
 
-def unpack(tarball: Path, tree: Path) -> None:
-    with tarball.open("rb") as raw:
-        try:
-            snapshots.check_tarball(raw, snapshots.max_bytes(), settings.HANGAR_SNAPSHOT_MAX_FILES)
-        except snapshots.SnapshotRefused as refused:
-            raise OSError(f"code snapshot refused on unpacking: {refused.message}")
-    tree.mkdir()
+def unpack(tarball: Path, tree: Path, sha256: str = "") -> int:
+    """The tarball checked (hangar/tarballs.py) and written into the new directory `tree`; the
+    number of members. CodeRefused names what is wrong with it."""
+    limit_bytes, limit_files = snapshots.max_bytes(), settings.HANGAR_SNAPSHOT_MAX_FILES
     try:
-        with tarfile.open(tarball, "r:gz") as tar:
-            tar.extractall(tree, filter="data")
-    except tarfile.TarError as exc:
-        raise OSError(f"code snapshot refused on unpacking: {exc}")
+        with tarball.open("rb") as raw:
+            contents = tarballs.check_tarball(raw, limit_bytes, limit_files)
+        with tarball.open("rb") as raw:
+            return tarballs.extract(raw, tree, contents, tarballs.stream_limit(limit_bytes, limit_files))
+    except tarballs.SnapshotRefused as refused:
+        raise CodeRefused(
+            f"code snapshot {sha256[:12]} cannot be unpacked: {refused.message}. Submit again with "
+            "`hangar submit --code DIR`"
+        )
 
 
 def fresh_copy(job, workdir: Path) -> None:

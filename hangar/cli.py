@@ -208,8 +208,9 @@ def cmd_submit(args) -> int:
                 f"--project is required: you can submit to {', '.join(projects) or 'no project'}", EXIT_USAGE
             )
         spec["project"] = projects[0]
-    if args.code:
-        spec["code"] = upload_code(api, args, spec["project"])
+    packed = upload_code(api, args, spec["project"]) if args.code else None
+    if packed is not None:
+        spec["code"] = packed.code_field()
     headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
     job = api.post("/api/v1/jobs/", spec, headers=headers)
     if args.follow:
@@ -218,15 +219,21 @@ def cmd_submit(args) -> int:
         return follow(api, args, job["id"])
     if args.wait:
         job = api.wait(job["id"], args.timeout)
-        emit(args, job, describe(job))
+        emit(args, with_packing(job, packed), describe(job))
         return outcome_code(job)
-    emit(args, job, f"job {job['id']} submitted to {job['project']} ({job['state']})")
+    emit(args, with_packing(job, packed), f"job {job['id']} submitted to {job['project']} ({job['state']})")
     return EXIT_OK
 
 
-def upload_code(api: Client, args, project: str) -> dict:
+def with_packing(job: dict, packed) -> dict:
+    """The job as the API answered, and with --code what was packed and what left out (`code_packing`)."""
+    return job if packed is None else {**job, "code_packing": packed.report()}
+
+
+def upload_code(api: Client, args, project: str):
     """Pack --code DIR and make sure the project has it (asked first: an unchanged tree uploads
-    nothing); the job spec's `code` field."""
+    nothing); what was packed (`code_field()` is the job spec's `code` field). Says on stderr
+    what .gitignore and .hangarignore left out and what .hangarinclude brought back."""
     from hangar import snapshots
 
     limit = args.code_limit or os.environ.get("HANGAR_CODE_LIMIT_MB") or snapshots.DEFAULT_LIMIT_MB
@@ -243,9 +250,9 @@ def upload_code(api: Client, args, project: str) -> dict:
         f"snapshot {packed.sha256[:12]}: {sent}",
         file=sys.stderr,
     )
-    for skipped in packed.skipped[:5]:
-        print(f"code: left out {skipped}", file=sys.stderr)
-    return packed.code_field()
+    for line in packed.lines():
+        print(f"code: {line}", file=sys.stderr)
+    return packed
 
 
 def cmd_code(args) -> int:
@@ -260,7 +267,10 @@ def cmd_code(args) -> int:
     else:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise HangarError(f"-o {out}: exists and is not an empty directory; give a new one", EXIT_USAGE)
-        members = snapshots.unpack(data, out)
+        try:
+            members = snapshots.unpack(data, out)
+        except snapshots.SnapshotError as exc:
+            raise HangarError(f"job {args.job}: {exc}", EXIT_UNREACHABLE)  # what the server sent is unusable
         human = f"job {args.job}'s code: {members} files in {out}"
     emit(args, {"job": args.job, "path": str(out), "bytes": len(data)}, human)
     return EXIT_OK

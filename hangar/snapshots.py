@@ -2,10 +2,13 @@
 
 What is packed: in a git work tree, what `git ls-files -co --exclude-standard` lists (the
 tracked files and the untracked ones .gitignore does not exclude); elsewhere every file
-whose path no .gitignore on the way matches. Then whatever DIR's `.hangarignore` (the
-same syntax) matches is left out too, and `.git` always. A symlink whose target lies
-inside DIR is packed as a relative symlink, never followed; one that points outside DIR
-is refused (it would not exist on the node) with the fix: ignore it, or copy its target in.
+whose path no .gitignore on the way matches. DIR's `.hangarinclude` (gitignore syntax)
+brings back files .gitignore leaves out (data, small weights); whatever DIR's
+`.hangarignore` (the same syntax) matches is left out all the same, and `.git` always.
+`Packed.left_out` says what was left out, by which rule, and how much. A symlink whose
+target lies inside DIR is packed as a relative symlink, never followed; one that points
+outside DIR is refused (it would not exist on the node) with the fix: ignore it, or copy
+its target in.
 
 The tarball is made the same way every time (sorted paths, no times, owners or umask in
 it, gzip without a timestamp), so an unchanged tree has the same sha256 and the server,
@@ -24,9 +27,18 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hangar import tarballs
+
 DEFAULT_LIMIT_MB = 100
 DIFF_LIMIT_BYTES = 512 * 1024  # the server keeps at most HANGAR_SNAPSHOT_DIFF_MAX_BYTES (default the same)
 IGNORE_FILE = ".hangarignore"
+INCLUDE_FILE = ".hangarinclude"
+GITIGNORE = ".gitignore"
+SHOWN_RULES = 4  # rules named per reason on a line of `hangar submit --code`
+REPORTED_RULES = 20  # rules per reason in --json
+EXAMPLES = 3
+UNPACK_LIMIT_MB = 1024  # `hangar code`: what a downloaded snapshot may unpack to (the server's limit is lower)
+UNPACK_LIMIT_FILES = 1_000_000
 GIT_TIMEOUT = 30
 COMPRESS_LEVEL = 1  # code compresses well even at 1; level 6 cost 4x the time on 20 MB for a few % less
 
@@ -44,6 +56,46 @@ class Entry:
 
 
 @dataclass
+class Group:
+    """Files left out (or brought back) for one reason by one rule."""
+
+    reason: str  # .gitignore, .hangarignore, or .hangarinclude (brought back)
+    rule: str  # the pattern; "FILE: pattern" when it is not in DIR's own file of that name
+    files: int = 0
+    size: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, path: str, size: int) -> None:
+        self.files, self.size = self.files + 1, self.size + size
+        if len(self.examples) < EXAMPLES:
+            self.examples.append(path)
+
+    def text(self) -> str:
+        return f"{self.rule} ({plural(self.files, 'file')}, {mb(self.size)})"
+
+    def as_dict(self) -> dict:
+        shown = {"reason": self.reason, "rule": self.rule, "files": self.files, "bytes": self.size}
+        return shown | {"examples": self.examples}
+
+
+class Tally:
+    """Groups by reason and rule, in the order first seen."""
+
+    def __init__(self):
+        self.groups: dict[tuple[str, str], Group] = {}
+
+    def add(self, reason: str, rule: str, root: Path, path: str) -> None:
+        try:
+            size = (root / path).lstat().st_size
+        except OSError:
+            size = 0
+        self.groups.setdefault((reason, rule), Group(reason, rule)).add(path, size)
+
+    def of(self, reason: str) -> list[Group]:
+        return sorted((g for g in self.groups.values() if g.reason == reason), key=lambda g: (-g.size, g.rule))
+
+
+@dataclass
 class Packed:
     data: bytes
     sha256: str
@@ -51,10 +103,52 @@ class Packed:
     size: int
     git: dict = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    left_out: list[Group] = field(default_factory=list)  # by .gitignore and .hangarignore
+    brought_back: list[Group] = field(default_factory=list)  # by .hangarinclude
 
     def code_field(self) -> dict:
         """The job spec's `code` field for this snapshot."""
         return {"snapshot": self.sha256, **self.git}
+
+    def lines(self) -> list[str]:
+        """What `hangar submit --code` says was left out and why (a few lines, however many files)."""
+        lines = [summary(f"left out by {why}", self.of(self.left_out, why)) for why in (GITIGNORE, IGNORE_FILE)]
+        lines.append(summary(f"brought back by {INCLUDE_FILE}", self.brought_back))
+        lines += [f"left out {skipped}" for skipped in self.skipped[:SHOWN_RULES]]
+        if len(self.skipped) > SHOWN_RULES:
+            lines.append(f"left out {len(self.skipped) - SHOWN_RULES} more that are not regular files")
+        if self.of(self.left_out, GITIGNORE) and not self.brought_back:
+            lines.append(f"to carry files .gitignore leaves out, list them in {INCLUDE_FILE} (gitignore syntax)")
+        return [line for line in lines if line]
+
+    def report(self) -> dict:
+        """The same for --json: each reason's rules (the biggest first), with counts and examples."""
+        left = [g for why in (GITIGNORE, IGNORE_FILE) for g in self.of(self.left_out, why)[:REPORTED_RULES]]
+        return {
+            "snapshot": self.sha256,
+            "files": self.files,
+            "bytes": self.size,
+            "left_out": [g.as_dict() for g in left],
+            "brought_back": [g.as_dict() for g in self.brought_back[:REPORTED_RULES]],
+            "not_files": self.skipped[:REPORTED_RULES],
+        }
+
+    @staticmethod
+    def of(groups: list[Group], reason: str) -> list[Group]:
+        return [g for g in groups if g.reason == reason]
+
+
+def summary(what: str, groups: list[Group]) -> str:
+    if not groups:
+        return ""
+    files, size = sum(g.files for g in groups), sum(g.size for g in groups)
+    shown = ", ".join(g.text() for g in groups[:SHOWN_RULES])
+    more = f" and {plural(len(groups) - SHOWN_RULES, 'more rule')}" if len(groups) > SHOWN_RULES else ""
+    return f"{what}: {plural(files, 'file')}, {mb(size)}: {shown}{more}"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def pack(directory: str | Path, limit_mb: float = DEFAULT_LIMIT_MB) -> Packed:
@@ -62,12 +156,13 @@ def pack(directory: str | Path, limit_mb: float = DEFAULT_LIMIT_MB) -> Packed:
     if not root.is_dir():
         raise SnapshotError(f"--code {directory}: no such directory; give the directory to run the job in")
     root = root.resolve()
-    entries, skipped = collect(root)
+    tally = Tally()
+    entries, skipped = collect(root, tally)
     if not entries:
         raise SnapshotError(
             f"--code {directory}: nothing to pack (no file, or every file ignored by .gitignore or {IGNORE_FILE})"
         )
-    check_size(entries, limit_mb, directory)
+    check_size(entries, limit_mb, directory, bool(tally.of(INCLUDE_FILE)))
     data = tarball(root, entries)
     regular = [e for e in entries if e.link is None]
     return Packed(
@@ -77,21 +172,31 @@ def pack(directory: str | Path, limit_mb: float = DEFAULT_LIMIT_MB) -> Packed:
         size=sum(e.size for e in regular),
         git=git_facts(root),
         skipped=skipped,
+        left_out=tally.of(GITIGNORE) + tally.of(IGNORE_FILE),
+        brought_back=tally.of(INCLUDE_FILE),
     )
 
 
 # --- which files ------------------------------------------------------------------
 
 
-def collect(root: Path) -> tuple[list[Entry], list[str]]:
-    """The entries to pack, sorted, and what was left out as not a file (sockets, fifos)."""
-    paths = git_paths(root)
-    if paths is None:
-        paths = walked_paths(root)
-    ignore = ignore_spec(root / IGNORE_FILE)
+def collect(root: Path, tally: Tally) -> tuple[list[Entry], list[str]]:
+    """The entries to pack, sorted, and what was left out as not a file (sockets, fifos);
+    what the ignore files left out or brought back goes to `tally`."""
+    paths, gitignored = listed(root)
+    include, ignore = ignore_spec(root / INCLUDE_FILE), ignore_spec(root / IGNORE_FILE)
+    wanted = set(paths)
+    for rel, rule in gitignored.items():
+        if rule_of(include, rel) is not None:
+            wanted.add(rel)
+        else:
+            tally.add(GITIGNORE, rule, root, rel)
     entries, skipped, outside = [], [], []
-    for rel in sorted(set(paths)):
-        if rel == ".git" or rel.startswith(".git/") or (ignore is not None and ignore.match_file(rel)):
+    for rel in sorted(wanted):
+        if rel == ".git" or rel.startswith(".git/"):
+            continue
+        if (rule := rule_of(ignore, rel)) is not None:
+            tally.add(IGNORE_FILE, rule, root, rel)
             continue
         entry, problem = entry_for(root, rel)
         if problem == "outside":
@@ -100,6 +205,8 @@ def collect(root: Path) -> tuple[list[Entry], list[str]]:
             skipped.append(f"{rel} ({problem})")
         elif entry is not None:
             entries.append(entry)
+            if rel in gitignored:
+                tally.add(INCLUDE_FILE, rule_of(include, rel), root, rel)
     if outside:
         shown = "; ".join(outside[:5]) + (f"; and {len(outside) - 5} more" if len(outside) > 5 else "")
         raise SnapshotError(
@@ -107,6 +214,23 @@ def collect(root: Path) -> tuple[list[Entry], list[str]]:
             f"Add them to {IGNORE_FILE}, or copy what they point to into the directory"
         )
     return entries, skipped
+
+
+def listed(root: Path) -> tuple[list[str], dict[str, str]]:
+    """What git would commit from `root` (outside git: what no .gitignore matches), and what
+    .gitignore leaves out, each path with the rule that does."""
+    paths = git_paths(root)
+    if paths is None:
+        return walked_paths(root)
+    return paths, git_ignored(root)
+
+
+def rule_of(spec, rel: str) -> str | None:
+    """The pattern of `spec` that matches `rel` (None: none does, or a `!pattern` re-includes it)."""
+    if spec is None:
+        return None
+    result = spec.check_file(rel)
+    return spec.patterns[result.index].pattern if result.include else None
 
 
 def entry_for(root: Path, rel: str) -> tuple[Entry | None, str]:
@@ -141,39 +265,70 @@ def git_paths(root: Path) -> list[str] | None:
     return [p for p in listed.split("\0") if p]
 
 
-def walked_paths(root: Path) -> list[str]:
-    """Every file under `root` that no .gitignore on its way matches (directories pruned as git does)."""
+def git_ignored(root: Path) -> dict[str, str]:
+    """The untracked files .gitignore (or .git/info/exclude, or git's global excludes) leaves
+    out, each with its rule as `git check-ignore -v` names it."""
+    listed = git(root, "ls-files", "-oi", "--exclude-standard", "-z")
+    paths = [p for p in (listed or "").split("\0") if p]
+    if not paths:
+        return {}
+    prefix = (git(root, "rev-parse", "--show-prefix") or "").strip()
+    answer = git(root, "check-ignore", "-v", "-z", "--stdin", stdin="\0".join(paths) + "\0", ok=(0, 1)) or ""
+    fields = answer.split("\0")
+    rules = {}
+    for source, _, pattern, path in zip(fields[0::4], fields[1::4], fields[2::4], fields[3::4], strict=False):
+        if not os.path.isabs(source):
+            source = os.path.relpath(source, prefix or ".")
+        rules[path] = pattern if source == GITIGNORE else f"{source}: {pattern}"
+    return {path: rules.get(path, GITIGNORE) for path in paths}
+
+
+def walked_paths(root: Path) -> tuple[list[str], dict[str, str]]:
+    """Every file under `root` that no .gitignore on its way matches, and those one does with
+    the rule that does (a directory's rule for everything in it: git reads no further)."""
     specs: list[tuple[str, object]] = []  # (directory relative to root, its .gitignore spec)
     found: list[str] = []
+    gitignored: dict[str, str] = {}
+    ignored_dirs: dict[str, str] = {}  # an ignored directory and the rule that ignores it
     for here, dirs, files in os.walk(root, followlinks=False):
         rel_dir = os.path.relpath(here, root).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir
+        inherited = ignored_dirs.get(rel_dir)
         specs = [(base, spec) for base, spec in specs if rel_dir == base or rel_dir.startswith(base + "/") or not base]
-        spec = ignore_spec(Path(here) / ".gitignore")
+        spec = ignore_spec(Path(here) / GITIGNORE) if inherited is None else None
         if spec is not None:
             specs.append((rel_dir, spec))
         kept_dirs = []
         for name in sorted(dirs):
             rel = f"{rel_dir}/{name}" if rel_dir else name
-            if name == ".git" or ignored(rel + "/", specs):
+            if name == ".git":
                 continue
-            if os.path.islink(os.path.join(here, name)):
-                found.append(rel)  # packed as a symlink, never walked into
-            else:
-                kept_dirs.append(name)
+            if os.path.islink(os.path.join(here, name)):  # packed as a symlink, never walked into
+                files.append(name)
+                continue
+            if rule := inherited or ignored(rel + "/", specs):
+                ignored_dirs[rel] = rule
+            kept_dirs.append(name)
         dirs[:] = kept_dirs
-        found += [f"{rel_dir}/{n}" if rel_dir else n for n in files if not ignored(f"{rel_dir}/{n}".lstrip("/"), specs)]
-    return found
+        for name in files:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if rule := inherited or ignored(rel, specs):
+                gitignored[rel] = rule
+            else:
+                found.append(rel)
+    return found, gitignored
 
 
-def ignored(rel: str, specs: list[tuple[str, object]]) -> bool:
-    """The deepest .gitignore with a rule for `rel` decides (a later `!rule` re-includes)."""
+def ignored(rel: str, specs: list[tuple[str, object]]) -> str | None:
+    """The rule that ignores `rel`: the deepest .gitignore with a rule for it decides (a later
+    `!rule` re-includes)."""
     for base, spec in reversed(specs):
         inner = rel[len(base) + 1 :] if base else rel
         result = spec.check_file(inner)
         if result.include is not None:
-            return bool(result.include)
-    return False
+            pattern = spec.patterns[result.index].pattern
+            return (pattern if not base else f"{base}/{GITIGNORE}: {pattern}") if result.include else None
+    return None
 
 
 def ignore_spec(path: Path):
@@ -186,15 +341,16 @@ def ignore_spec(path: Path):
     return pathspec.GitIgnoreSpec.from_lines(path.read_text(errors="replace").splitlines())
 
 
-def check_size(entries: list[Entry], limit_mb: float, directory) -> None:
+def check_size(entries: list[Entry], limit_mb: float, directory, included: bool = False) -> None:
     total = sum(e.size for e in entries)
     if total <= limit_mb * 1024 * 1024:
         return
     biggest = sorted((e for e in entries if e.link is None), key=lambda e: e.size, reverse=True)[:5]
     shown = ", ".join(f"{e.path} ({mb(e.size)})" for e in biggest)
+    less = f", bring back less with {INCLUDE_FILE}" if included else ""
     raise SnapshotError(
         f"--code {directory}: {len(entries)} files of {mb(total)}, over the {limit_mb:g} MB limit; "
-        f"the biggest: {shown}. Add what the job does not need to {IGNORE_FILE} (or .gitignore), "
+        f"the biggest: {shown}. Add what the job does not need to {IGNORE_FILE} (or .gitignore){less}, "
         "or raise the limit with --code-limit MB (the server's HANGAR_SNAPSHOT_MAX_MB still applies)"
     )
 
@@ -227,14 +383,13 @@ def tarball(root: Path, entries: list[Entry]) -> bytes:
 # --- git --------------------------------------------------------------------------------
 
 
-def git(root: Path, *args: str) -> str | None:
+def git(root: Path, *args: str, stdin: str | None = None, ok: tuple[int, ...] = (0,)) -> str | None:
+    feed = {"input": stdin.encode()} if stdin is not None else {"stdin": subprocess.DEVNULL}
     try:
-        done = subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT, stdin=subprocess.DEVNULL
-        )
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT, **feed)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.decode(errors="replace") if done.returncode == 0 else None
+    return done.stdout.decode(errors="replace") if done.returncode in ok else None
 
 
 def git_facts(root: Path) -> dict:
@@ -253,10 +408,13 @@ def git_facts(root: Path) -> dict:
 
 
 def unpack(data: bytes, directory: Path) -> int:
-    """A downloaded snapshot unpacked into `directory` (tarfile's `data` filter: nothing lands
-    outside it); the number of members."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        members = tar.getmembers()
-        tar.extractall(directory, members=members, filter="data")
-    return len(members)
+    """A downloaded snapshot checked and unpacked into `directory` within the server's bounds
+    and checks (hangar/tarballs.py: nothing lands outside it, any Python 3.11); the number of
+    members."""
+    limit_bytes, limit_files = UNPACK_LIMIT_MB * 1024 * 1024, UNPACK_LIMIT_FILES
+    try:
+        contents = tarballs.check_tarball(io.BytesIO(data), limit_bytes, limit_files)
+        limit = tarballs.stream_limit(limit_bytes, limit_files)
+        return tarballs.extract(io.BytesIO(data), Path(directory), contents, limit)
+    except tarballs.SnapshotRefused as refused:
+        raise SnapshotError(f"the code snapshot cannot be unpacked: {refused.message}")

@@ -1,13 +1,19 @@
-"""Loading and saving around the pure diagnosis (jobs/diagnosis.py).
+"""Loading and saving around the pure diagnosis (jobs/diagnosis/).
 
 When an attempt ends badly (`Attempt.finish`), its diagnosis is computed once
 the end is committed and stored on the attempt (`Attempt.diagnosis`), then put
-on the job's MLflow run as tags. `check_hangs` (run by the reconciler) flags a
-running attempt whose ranks went silent.
+on the job's MLflow run as tags. Its inputs: the lines (each rank's head and
+tail, the first errors), the ending, each rank's exit as recorded in
+`Attempt.rank_status`, health events, and, only when a traceback ran code
+through exec (`File "<string>"`), the files it may have run, read from the
+job's code snapshot. `check_hangs` (run by the reconciler) flags a running
+attempt whose ranks went silent.
 """
 
 import logging
+import tarfile
 import time
+from collections.abc import Iterator
 
 from django.conf import settings
 from django.db import transaction
@@ -15,6 +21,7 @@ from django.db.models import Q
 from django.dispatch import receiver
 from django.utils import timezone
 
+from hangar import tarballs
 from jobs import diagnosis
 from jobs.models import STARTED_ATTEMPT_STATES, Attempt, AttemptState, FailureClass, JobEvent, LogLine, Stream
 from jobs.signals import attempt_finished
@@ -43,7 +50,9 @@ def store(attempt_id: int) -> dict | None:
         attempt = Attempt.objects.select_related("job", "node").filter(pk=attempt_id).first()
         if attempt is None or attempt.state in STARTED_ATTEMPT_STATES or attempt.state == AttemptState.SUCCEEDED:
             return None
-        found = diagnosis.diagnose(load_lines(attempt), ending(attempt), health_events(attempt)).as_json()
+        lines, end = load_lines(attempt), ending(attempt)
+        files = job_files(attempt.job, diagnosis.wanted_files(lines, end.command))
+        found = diagnosis.diagnose(lines, end, health_events(attempt), rank_exits(attempt), files).as_json()
         for key in ("hang_suspected", "straggler"):
             if key in attempt.diagnosis:
                 found[key] = attempt.diagnosis[key]
@@ -83,7 +92,62 @@ def ending(attempt: Attempt) -> diagnosis.Ending:
         world_size=len(attempt.ranks),
         max_runtime_seconds=attempt.job.max_runtime_seconds,
         memory_limit_mb=settings.HANGAR_JOB_MEMORY_LIMIT_MB,
+        command=tuple(str(x) for x in attempt.job.command or ()),
     )
+
+
+def rank_exits(attempt: Attempt) -> dict[int, diagnosis.RankExit]:
+    """Each rank's exit as its agent recorded it in `rank_status`: `{"exit", "at", "stopped"}` per
+    rank; 0 alone for a rank that succeeded; None for one still running (or never recorded)."""
+    out = {}
+    for rank, status in (attempt.rank_status or {}).items():
+        if isinstance(status, dict) and "exit" in status:
+            at = status.get("at")
+            out[int(rank)] = diagnosis.RankExit(status["exit"], float(at) if at is not None else None,
+                                                bool(status.get("stopped")))  # fmt: skip
+        elif status == 0:
+            out[int(rank)] = diagnosis.RankExit(0)
+    return out
+
+
+FILE_BYTES = 256 * 1024  # a config or script; a larger file is no source the diagnosis quotes
+
+
+def job_files(job, wanted: list[str]) -> dict[str, str]:
+    """The `wanted` files (relative paths) from the job's code snapshot, as text; {} without one.
+    Read from the stored tar.gz through the same bounded reader the agent unpacks with."""
+    if not wanted or job.snapshot_id is None:
+        return {}
+    snapshot = job.snapshot
+    names = {name.removeprefix("./") for name in wanted[:8]}
+    out: dict[str, str] = {}
+    limit = tarballs.stream_limit(snapshot.unpacked_size, snapshot.files)
+    try:
+        with tarballs.opened(Chunks(snapshot.chunks()), limit) as tar:
+            for member in tar:
+                name = member.name.removeprefix("./")
+                if name in names and member.isfile() and member.size <= FILE_BYTES:
+                    out[name] = tar.extractfile(member).read().decode(errors="replace")
+                    if len(out) == len(names):
+                        break
+    except (tarballs.SnapshotRefused, tarfile.TarError, OSError) as exc:  # the diagnosis goes on without them
+        log.warning("job %s: its snapshot's files could not be read for the diagnosis: %s", job.pk, exc)
+    return out
+
+
+class Chunks:
+    """A snapshot's stored pieces as the file-like object tarballs.opened reads."""
+
+    def __init__(self, pieces: Iterator[bytes]):
+        self.pieces, self.piece, self.at = pieces, b"", 0
+
+    def read(self, size: int = -1) -> bytes:
+        if self.at >= len(self.piece):
+            self.piece, self.at = next(self.pieces, b""), 0
+        end = len(self.piece) if size < 0 else self.at + size
+        out = self.piece[self.at : end]
+        self.at += len(out)
+        return out
 
 
 def health_events(attempt: Attempt) -> list[diagnosis.Event]:

@@ -3,29 +3,25 @@
 `hangar submit --code DIR` packs DIR into a tar.gz, asks whether the project already has
 its sha256 (`GET /api/v1/projects/<slug>/snapshots/<sha256>/`) and uploads it only when
 not (`PUT` to the same address). `receive` reads the body once, hashing it as it goes,
-refuses a body whose hash is not the one named, then reads the tarball through and refuses
-any member that would unpack outside its directory (an absolute path, `..`, a link
-pointing out, a hard link), that is not a file, directory or symlink (devices, fifos), or
-that brings the files past HANGAR_SNAPSHOT_MAX_MB / HANGAR_SNAPSHOT_MAX_FILES. Only then
-is anything stored: a refused upload leaves no row.
-
-The checks of a member are a plain function (`member_problem`); the agent unpacks with
-tarfile's `data` filter on top (agent/snapshots.py).
+refuses a body whose hash is not the one named, then reads the tarball through within
+fixed bounds (hangar/tarballs.py: inflated bytes and header sizes capped before tarfile
+parses anything) and refuses any member that would unpack outside its directory (an
+absolute path, `..`, a link pointing out, a hard link), that is not a file, directory or
+symlink (devices, fifos), or that brings the files past HANGAR_SNAPSHOT_MAX_MB /
+HANGAR_SNAPSHOT_MAX_FILES. Only then is anything stored: a refused upload leaves no row.
+The agent checks again with the same code before it unpacks (agent/snapshots.py).
 """
 
 import hashlib
 import logging
-import posixpath
 import re
-import tarfile
 import tempfile
 import time
-import zlib
-from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from hangar.tarballs import Contents, SnapshotRefused, check_tarball
 from jobs.models import Snapshot, SnapshotChunk
 from portal import bodylimits
 
@@ -35,20 +31,6 @@ SHA256 = re.compile(r"^[0-9a-f]{64}$")
 CHUNK_BYTES = 4 * 1024 * 1024  # one database row of a stored snapshot
 READ_BYTES = 256 * 1024
 RETENTION_INTERVAL_SECONDS = 3600.0
-
-
-class SnapshotRefused(Exception):
-    """A snapshot refused: `field` and `message` as the API's one error shape says them."""
-
-    def __init__(self, field: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.field, self.message, self.status = field, message, status
-
-
-@dataclass
-class Contents:
-    files: int = 0
-    size: int = 0
 
 
 def max_bytes() -> int:
@@ -64,108 +46,6 @@ def check_sha256(value: str) -> str:
     if not SHA256.match(value or ""):
         raise SnapshotRefused("sha256", f"{value[:80]!r} is not a sha256: give 64 lowercase hex digits")
     return value
-
-
-def member_problem(name: str, kind: str, linkname: str = "") -> str | None:
-    """Why a tar member may not be unpacked into a snapshot's directory (None: it may).
-    `kind`: file, dir, symlink, hardlink or other (devices, fifos). A symlink's target is
-    checked against the other links too, by `link_escapes`."""
-    where = f"member {name[:200]!r}"
-    if not name or name.startswith("/"):
-        return f"{where} has an absolute path; a snapshot's paths are relative to its directory"
-    if ".." in name.split("/"):
-        return f"{where} would unpack outside its directory (..)"
-    if kind == "hardlink":
-        return f"{where} is a hard link; pack regular files"
-    if kind == "other":
-        return f"{where} is a device, fifo or other special file; pack regular files, directories and symlinks"
-    if kind == "symlink" and (not linkname or linkname.startswith("/") or "\0" in linkname):
-        return f"{where} is a symlink to {linkname[:200]!r}, outside the snapshot's directory"
-    return None
-
-
-def parts(path: str) -> list[str]:
-    return [p for p in path.split("/") if p not in ("", ".")]
-
-
-def link_escapes(name: str, links: dict[str, str], max_hops: int = 40) -> bool:
-    """Whether the symlink `name` resolves outside the snapshot's directory, following the
-    snapshot's other symlinks as a file system would (`q -> .` then `k -> q/..` escapes,
-    though each looks harmless alone). A loop counts as escaping."""
-    resolved = parts(posixpath.dirname(name))  # no member lies under a symlink (checked)
-    todo = parts(links[name])[::-1]
-    hops = 0
-    while todo:
-        part = todo.pop()
-        if part == "..":
-            if not resolved:
-                return True
-            resolved.pop()
-            continue
-        here = "/".join([*resolved, part])
-        if here not in links:
-            resolved.append(part)
-            continue
-        hops += 1
-        if hops > max_hops or links[here].startswith("/"):
-            return True
-        todo.extend(parts(links[here])[::-1])  # relative to the link's own directory: `resolved`
-    return False
-
-
-def kind_of(member: tarfile.TarInfo) -> str:
-    if member.isreg():
-        return "file"
-    if member.isdir():
-        return "dir"
-    if member.issym():
-        return "symlink"
-    if member.islnk():
-        return "hardlink"
-    return "other"
-
-
-def check_tarball(fileobj, limit_bytes: int, limit_files: int) -> Contents:
-    """Read the tar.gz through (streaming), refusing the first member that may not be
-    unpacked; then the links that resolve outside and the members that lie under a link."""
-    contents, links, names = Contents(), {}, []
-    try:
-        with tarfile.open(fileobj=fileobj, mode="r|gz") as tar:
-            for member in tar:
-                check_member(member, contents, limit_bytes, limit_files)
-                name = "/".join(parts(member.name))
-                names.append(name)
-                if member.issym():
-                    links[name] = member.linkname
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise SnapshotRefused("body", f"is not a readable tar.gz ({exc}); send what `hangar submit --code` packs")
-    for name in names:
-        above = next((p for p in ancestors(name) if p in links), None)
-        if above is not None:
-            raise SnapshotRefused("body", f"member {name[:200]!r} lies under the symlink {above!r}; pack real paths")
-    for name in links:
-        if link_escapes(name, links):
-            raise SnapshotRefused(
-                "body", f"member {name[:200]!r} is a symlink to {links[name][:200]!r}, outside the snapshot's directory"
-            )
-    return contents
-
-
-def check_member(member: tarfile.TarInfo, contents: Contents, limit_bytes: int, limit_files: int) -> None:
-    if problem := member_problem(member.name, kind_of(member), member.linkname):
-        raise SnapshotRefused("body", problem)
-    contents.files += 1
-    contents.size += member.size if member.isreg() else 0
-    if contents.size > limit_bytes:
-        mb = limit_bytes / 1024 / 1024
-        raise SnapshotRefused("body", f"its files unpack to more than {mb:g} MB (HANGAR_SNAPSHOT_MAX_MB)", 413)
-    if contents.files > limit_files:
-        raise SnapshotRefused("body", f"it has more than {limit_files} files (HANGAR_SNAPSHOT_MAX_FILES)", 413)
-
-
-def ancestors(name: str) -> list[str]:
-    pieces = name.split("/")
-    return ["/".join(pieces[:i]) for i in range(1, len(pieces))]
 
 
 def spool(stream, expected: str, length: int) -> tempfile.SpooledTemporaryFile:

@@ -10,9 +10,10 @@ from django.utils import timezone
 from agent import runner as execution
 from agent import running
 from fleet.models import GPU
-from jobs import diagnosing, scheduler
+from jobs import diagnosing, diagnosis, scheduler
 from jobs.models import Attempt, AttemptState, FailureClass, JobEvent, JobState, LogLine, Stream
-from tests.factories import api_client, make_attempt, make_job, make_node
+from tests.diagnosis_cases import cases
+from tests.factories import api_client, make_attempt, make_job, make_node, make_snapshot
 
 
 @pytest.fixture
@@ -56,6 +57,59 @@ def test_a_failed_attempt_carries_its_diagnosis_in_the_api(node, project, owner)
     if tracking.enabled():  # the run carries it too
         tags = tracking.client().get_run(job.mlflow_run_id).data.tags
         assert tags["hangar.diagnosis.category"] == "import_error" and "transformerz" in tags["hangar.diagnosis"]
+
+
+CONFIGURATOR = cases.load("nanogpt_config_nameerror")["files"]["configurator.py"]
+TRAIN = """\
+batch_size = 12
+warmup_iters = 100
+exec(open("configurator.py").read())
+print("training", batch_size, flush=True)
+"""
+CONFIG = "batch_size = 64\nlearning_rate = 1e-3\nmax_iters = 5000\nwarmup_iters = warmup_ratio * max_iters\n"
+
+
+@pytest.fixture
+def node_dirs(node, settings, tmp_path):
+    settings.HANGAR_JOB_WORKDIR = tmp_path / "jobs"
+    settings.HANGAR_SNAPSHOT_CACHE_DIR = tmp_path / "cache"
+    return tmp_path
+
+
+def test_an_error_in_an_execd_config_is_traced_to_the_file_in_the_jobs_code(node_dirs, project, owner):
+    # nanoGPT's way: train.py execs configurator.py, which execs the config named on the command line.
+    files = {"train.py": TRAIN, "configurator.py": CONFIGURATOR, "config/small.py": CONFIG}
+    snapshot = make_snapshot(project, owner, files, node_dirs / "src")
+    make_job(project, owner, command=[sys.executable, "train.py", "config/small.py"], snapshot=snapshot,
+             code={"snapshot": snapshot.sha256})  # fmt: skip
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+
+    texts = list(LogLine.objects.filter(attempt_id=attempt.pk).values_list("text", flat=True))
+    assert 'File "<string>", line 4, in <module>' in "\n".join(texts), texts  # the setup: Python names no file
+    found = diagnosing.wait_for(attempt.pk)
+    assert found["category"] == "python_exception", found
+    assert "NameError: name 'warmup_ratio' is not defined (config/small.py:4 in <module>)" == found["summary"]
+    assert "`warmup_iters = warmup_ratio * max_iters`" in found["hint"]
+
+
+def test_only_the_wanted_files_are_read_from_the_snapshot(db, project, owner, tmp_path):
+    files = {"train.py": "x = 1\n", "config/a.py": "lr = 1\n", "big.py": "#" * 300_000}
+    snapshot = make_snapshot(project, owner, files, tmp_path)
+    job = make_job(project, owner, snapshot=snapshot, code={"snapshot": snapshot.sha256})
+
+    assert diagnosing.job_files(job, ["config/a.py", "big.py", "missing.py"]) == {"config/a.py": "lr = 1\n"}
+    assert diagnosing.job_files(make_job(project, owner), ["config/a.py"]) == {}
+
+
+def test_each_ranks_exit_is_read_from_its_status():
+    attempt = Attempt(rank_status={"0": {"exit": 1, "at": 12.5, "stopped": False}, "1": 0, "2": None,
+                                   "3": {"exit": 143, "at": 12.9, "stopped": True}})  # fmt: skip
+
+    exits = diagnosing.rank_exits(attempt)
+
+    assert exits == {0: diagnosis.RankExit(1, 12.5, False), 1: diagnosis.RankExit(0),
+                     3: diagnosis.RankExit(143, 12.9, True)}  # fmt: skip
 
 
 def test_a_succeeded_attempt_has_none(node, project, owner):

@@ -1,7 +1,9 @@
 """Code snapshots end to end: the real `hangar` CLI process against a live stack. A job
 submitted with --code runs its own copy of the directory (it prints its file's hash), an
 unchanged tree uploads nothing the second time, resubmit reuses the snapshot, a changed
-tree runs the changed code, and `hangar code` brings back what was packed."""
+tree runs the changed code, and `hangar code` brings back what was packed. A nanoGPT-like
+tree's gitignored data rides along with `.hangarinclude`, and the CLI says what it left
+out; a header bomb PUT to the live web server is refused without its memory growing."""
 
 import hashlib
 import json
@@ -9,12 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from hangar.snapshots import pack
-from tests.livestack import BASE_DIR, UNSANDBOXED, LiveStack
+from tests.livestack import BASE_DIR, LiveStack
+from tests.test_snapshots_tarballs import header_bomb
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
@@ -30,7 +35,7 @@ TRAIN = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LiveStack(env=UNSANDBOXED, data_dir=str(tmp_path_factory.mktemp("snapshot-stack"))) as live:
+    with LiveStack(data_dir=str(tmp_path_factory.mktemp("snapshot-stack"))) as live:
         yield live
 
 
@@ -134,3 +139,75 @@ def test_bad_code_directories_are_refused_before_anything_is_sent(hangar, work_t
     assert code == 2 and "over the 0.2 MB limit; the biggest: weights.bin (0.3 MB)" in err
     code, out, _ = hangar("--json", "list")
     assert all(j["command"] != ["true"] for j in json.loads(out))  # nothing half-created
+
+
+READ_DATA = textwrap.dedent(
+    """
+    import hashlib, pathlib
+    data = pathlib.Path("data/shakespeare_char/input.txt").read_bytes()
+    print("input.txt", hashlib.sha256(data).hexdigest(), flush=True)
+    """
+)
+
+
+def test_hangarinclude_carries_gitignored_data_and_submit_says_what_it_left_out(hangar, tmp_path):
+    root = tmp_path / "nanoGPT"
+    (root / "data" / "shakespeare_char").mkdir(parents=True)
+    (root / "train.py").write_text(READ_DATA)
+    (root / ".gitignore").write_text("*.bin\n*.pkl\ninput.txt\n")
+    git(root, "init", "-q", "-b", "master")
+    git(root, "add", ".")
+    git(root, "commit", "-qm", "start")
+    data = os.urandom(300_000)
+    (root / "data" / "shakespeare_char" / "input.txt").write_bytes(data)
+    (root / "data" / "shakespeare_char" / "train.bin").write_bytes(os.urandom(1000))
+
+    code, out, err = hangar("--json", "submit", "-p", "default", "--code", str(root), "--wait", "--", PY, "train.py")
+    assert code == 1, err + out  # the job could not find its data: the setup shows it left out
+    assert "code: left out by .gitignore: 2 files, 0.3 MB: input.txt (1 file, 0.3 MB), *.bin (1 file" in err
+    assert "list them in .hangarinclude" in err
+    assert [g["rule"] for g in json.loads(out)["code_packing"]["left_out"]] == ["input.txt", "*.bin"]
+
+    (root / ".hangarinclude").write_text("data/**/input.txt\n")
+    job, err = submit_code(hangar, root)
+    assert job["state"] == "succeeded"
+    assert "code: brought back by .hangarinclude: 1 file, 0.3 MB: data/**/input.txt (1 file, 0.3 MB)" in err
+    assert "code: left out by .gitignore: 1 file, 0.0 MB: *.bin (1 file, 0.0 MB)" in err
+    packing = job["code_packing"]
+    assert packing["snapshot"] == job["code"]["snapshot"] and packing["brought_back"][0]["files"] == 1
+    assert f"input.txt {hashlib.sha256(data).hexdigest()}" in printed(hangar, job["id"])
+
+
+def web_peak_mb(stack) -> dict[int, int]:
+    """Each web server process of the stack and its peak resident memory (VmHWM), MB."""
+    peaks = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == stack.proc.pid and b"portal.webserver" in (entry / "cmdline").read_bytes():
+                status = (entry / "status").read_text()
+                peaks[int(entry.name)] = int(status.split("VmHWM:")[1].split()[0]) // 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return peaks
+
+
+def test_a_header_bomb_put_to_the_live_server_is_refused_and_its_memory_stays_put(stack, tmp_path):
+    bomb = header_bomb()
+    put = {**stack.headers(), "Content-Type": "application/gzip"}
+    url = f"{stack.url}/api/v1/projects/default/snapshots/{{}}/"
+    (tmp_path / "a.py").write_text("x")
+    small = pack(tmp_path).data
+    ok = httpx.put(url.format(hashlib.sha256(small).hexdigest()), content=small, headers=put, timeout=30)
+    assert ok.status_code in (200, 201), ok.text  # the setup: this server takes an upload
+    before = web_peak_mb(stack)
+    assert before, "no web server process found"
+    start = time.perf_counter()
+    refused = httpx.put(url.format(hashlib.sha256(bomb).hexdigest()), content=bomb, headers=put, timeout=60)
+    elapsed = time.perf_counter() - start
+    after = web_peak_mb(stack)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["errors"][0]["field"] == "body"
+    assert "a tar GNU long name holds 805306368 bytes (768 MiB)" in refused.json()["message"]
+    grew = max(after[pid] - before[pid] for pid in before if pid in after)
+    assert grew < 50 and elapsed < 5, (before, after, elapsed)

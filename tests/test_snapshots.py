@@ -1,10 +1,12 @@
 """Code snapshots: packing DIR (ignore rules, symlinks, the size limit), the server's checks
-of an upload (hash, members that would land outside, devices, size), submitting, resubmitting
-and downloading a job's code, retention, and the agent's fresh copy per rank and attempt."""
+of an upload (hash, members that would land outside, devices, size, a header bomb through the
+API), submitting, resubmitting and downloading a job's code, retention, and the agent's fresh
+copy per rank and attempt (a stored bomb fails its attempt as the user's error, at once)."""
 
 import hashlib
 import io
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -26,6 +28,12 @@ from jobs import scheduler, snapshots
 from jobs.models import Job, JobState, LogLine, Snapshot, SnapshotChunk
 from portal.models import Role
 from tests.factories import api_client, make_job, make_node, make_snapshot, make_user
+from tests.test_snapshots_tarballs import header_bomb
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -387,13 +395,63 @@ def test_the_agent_refuses_a_stored_snapshot_that_does_not_match_its_hash(db, pr
     snapshot = make_snapshot(project, owner, {"train.py": "x"}, node_dirs / "src")
     SnapshotChunk.objects.filter(snapshot=snapshot).update(data=b"damaged")
     job = make_job(project, owner, snapshot=snapshot, code={"snapshot": snapshot.sha256})
-    with pytest.raises(OSError, match="stored chunks damaged"):
+    with pytest.raises(node_snapshots.CodeRefused, match="stored chunks are damaged; submit again with --code"):
         node_snapshots.fresh_copy(job, node_dirs / "w")
     assert not (node_dirs / "cache" / snapshot.sha256).exists()
     Snapshot.objects.filter(pk=snapshot.pk).delete()
     job.refresh_from_db()
     with pytest.raises(node_snapshots.CodeUnavailable, match="no longer stored"):
         node_snapshots.fresh_copy(job, node_dirs / "w")
+
+
+def stored_as_is(project, user, data: bytes) -> Snapshot:
+    """A snapshot row holding `data` unchecked, as one uploaded before the checks would be."""
+    snapshot = Snapshot.objects.create(
+        project=project, sha256=hashlib.sha256(data).hexdigest(), size=len(data), unpacked_size=1, files=1
+    )
+    SnapshotChunk.objects.create(snapshot=snapshot, index=0, data=data)
+    return snapshot
+
+
+def run_one(project, owner, snapshot: Snapshot, command: list[str]):
+    job = make_job(project, owner, command=command, snapshot=snapshot, code={"snapshot": snapshot.sha256})
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    return job, attempt
+
+
+def test_a_stored_bomb_fails_its_attempt_at_once_as_the_users_error(transactional_db, project, owner, node_dirs):
+    GPU.objects.filter(node=make_node()).update(temperature_c=35, sampled_at=timezone.now())
+    good = make_snapshot(project, owner, {"train.py": "print('ran from the snapshot')"}, node_dirs / "src")
+    job, attempt = run_one(project, owner, good, [sys.executable, "train.py"])
+    assert attempt.state == "succeeded", attempt.reason  # the setup runs a snapshot's code
+    assert LogLine.objects.filter(attempt=attempt, text="ran from the snapshot").exists()
+
+    bomb = stored_as_is(project, owner, header_bomb())
+    before, start = peak_rss_mb(), time.perf_counter()
+    job, attempt = run_one(project, owner, bomb, [sys.executable, "train.py"])
+    elapsed, grew = time.perf_counter() - start, peak_rss_mb() - before
+    assert (attempt.state, attempt.failure_class, job.state) == ("failed", "user", "failed"), attempt.reason
+    assert f"code snapshot {bomb.sha256[:12]} cannot be unpacked: a tar GNU long name holds 805306368" in attempt.reason
+    assert "Submit again with `hangar submit --code DIR`" in attempt.reason
+    assert grew < 50 and elapsed < 10, (grew, elapsed)
+    assert not (node_dirs / "cache" / bomb.sha256).exists()
+    assert [p.name for p in (node_dirs / "cache").iterdir()] == [good.sha256]  # no half-unpacked scratch left
+
+
+def test_a_header_bomb_upload_is_refused_naming_the_body_before_it_is_inflated(project, teammate):
+    bomb = header_bomb()
+    client = api_client(teammate)
+    before, start = peak_rss_mb(), time.perf_counter()
+    refused = put(client, "vision", bomb)
+    elapsed, grew = time.perf_counter() - start, peak_rss_mb() - before
+    assert refused.status_code == 400, refused.json()
+    assert refused.json()["errors"][0]["field"] == "body"
+    assert refused.json()["message"].startswith("body: a tar GNU long name holds 805306368 bytes (768 MiB)")
+    assert grew < 50 and elapsed < 2, (grew, elapsed)
+    assert not Snapshot.objects.exists() and not SnapshotChunk.objects.exists()
 
 
 def test_hangar_code_unpacks_what_was_packed(tmp_path):
