@@ -157,6 +157,7 @@ def main() -> None:
 
     os.environ["HANGAR_DATA_DIR"] = tempfile.mkdtemp(prefix="hangar-bench-metrics-")
     os.environ.pop("DATABASE_URL", None)  # always a throw-away embedded database
+    os.environ["HANGAR_METRICS_TOKEN"] = "bench"  # a scrape presents the token (portal/metricstoken.py)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     import django
 
@@ -169,7 +170,7 @@ def main() -> None:
     seed(nodes, ended, min(500, nodes), 200)
     print(f"seeded {nodes} nodes x {GPUS} GPUs, {ended} ended attempts in {time.perf_counter() - started:.1f}s")
 
-    client = Client()
+    client = Client(HTTP_AUTHORIZATION="Bearer bench")
     started = time.perf_counter()
     response = client.get("/metrics")
     first_ms = (time.perf_counter() - started) * 1000

@@ -39,6 +39,7 @@ from prometheus_client.utils import floatToGoString
 from fleet.gpus import THROTTLE_BITS
 from fleet.models import GPU, Node, NodeState
 from jobs.models import ACTIVE_ATTEMPT_STATES, FINAL_JOB_STATES, Attempt, Job, JobState, LogLine
+from portal import metricstoken
 
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 HANDOFF_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
@@ -64,7 +65,13 @@ THROTTLE_MASK = {name: bit for bit, name in THROTTLE_BITS.items()}
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
     if not scrape_allowed(request):
-        return HttpResponse("metrics: a valid bearer token or an allowed address is needed\n", status=403)
+        response = HttpResponse(
+            "metrics: send the scrape token as 'Authorization: Bearer <token>' (HANGAR_METRICS_TOKEN, "
+            "or the token `manage.py up` printed at first start, kept in $HANGAR_DATA_DIR/metrics_token)\n",
+            status=401,
+        )
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
     return HttpResponse(render(), content_type=CONTENT_TYPE_LATEST)
 
 
@@ -78,17 +85,21 @@ def render() -> bytes:
 
 
 def scrape_allowed(request: HttpRequest) -> bool:
-    """With HANGAR_METRICS_TOKEN set, its bearer token and nothing else; otherwise the
-    client's address (and every forwarded one) must be in HANGAR_METRICS_ALLOW (addresses
-    or CIDR networks)."""
-    if token := settings.HANGAR_METRICS_TOKEN:
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        return secrets.compare_digest(given.encode(), token.encode())
+    """The scrape token, always; an address only where an operator listed it in
+    HANGAR_METRICS_ALLOW (none by default: jobs of network `host` share this host's loopback)."""
+    token = metricstoken.current()  # generated here where `manage.py up` did not make it
+    given = request.headers.get("Authorization", "")
+    if token and given.startswith("Bearer "):
+        if secrets.compare_digest(given.removeprefix("Bearer ").strip().encode(), token.encode()):
+            return True
+    allowed = settings.HANGAR_METRICS_ALLOW
+    if not allowed:
+        return False
     # Through a proxy on an allowed address (nginx on 127.0.0.1), the client it forwards must
     # be allowed too: every address on the way, never only the last hop.
     forwarded = [a.strip() for a in request.headers.get("X-Forwarded-For", "").split(",") if a.strip()]
     hops = [request.META.get("REMOTE_ADDR", ""), *forwarded]
-    return all(address_allowed(hop, settings.HANGAR_METRICS_ALLOW) for hop in hops)
+    return all(address_allowed(hop, allowed) for hop in hops)
 
 
 def address_allowed(address: str, allowed: list[str]) -> bool:
@@ -372,7 +383,8 @@ def seconds_between(start: str, end: str) -> str:
     """Seconds from one timestamp column to another, in the database's own arithmetic
     (Django's duration expressions call back into Python per row on SQLite)."""
     if connection.vendor == "postgresql":
-        return f"EXTRACT(EPOCH FROM ({end} - {start}))"
+        # EXTRACT gives numeric (Decimal in Python) since PostgreSQL 14: summed as a float.
+        return f"CAST(EXTRACT(EPOCH FROM ({end} - {start})) AS double precision)"
     return f"(julianday({end}) - julianday({start})) * 86400.0"
 
 

@@ -8,7 +8,9 @@ dead receiver therefore never holds a job, a node or a scheduler pass.
 
 Webhook bodies are signed: `X-Hangar-Signature: t=<unix time>,v1=<hex HMAC-SHA256 of
 "<t>.<body>" keyed by the subscription's secret>`. Payloads name what happened and link to
-it; they never carry a job's environment, its secrets or the subscription's secret.
+it; they never carry a job's environment, its secrets or the subscription's secret, and a
+cordon's evidence is what the subscriber's node page would show (`fleet.evidence`). Webhooks
+go to public addresses only (`jobs.egress`), checked again at every send.
 """
 
 import hashlib
@@ -17,6 +19,7 @@ import json
 import logging
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import httpx
 from django.conf import settings
@@ -25,8 +28,10 @@ from django.db import IntegrityError, transaction
 from django.dispatch import receiver
 from django.utils import timezone
 
+from fleet import evidence as fleet_evidence
 from fleet import signals as fleet_signals
 from fleet.models import Node
+from jobs import egress
 from jobs.models import Attempt, Budget, Job
 from jobs.models.notify import JOB_EVENTS, NODE_EVENTS, Channel, Delivery, DeliveryState, Event, Subscription
 from jobs.signals import job_ended
@@ -159,7 +164,10 @@ def fan_out_node(audit_id: int) -> list[int]:
     if node is None:
         return []
     event = Event.NODE_UNCORDONED if audit.action.startswith("node.uncordon") else Event.NODE_CORDONED
-    return create(subscribed(event), event, f"node:{audit.pk}", node_payload(node, audit, event))
+    payload = node_payload(node, audit, event)
+    # Nodes are everyone's, but a cordon's evidence may quote another project's job: each
+    # subscriber gets what their node page shows.
+    return create(subscribed(event), event, f"node:{audit.pk}", lambda sub: seen_by(sub.user, payload))
 
 
 def subscribed(event: str) -> list[Subscription]:
@@ -168,14 +176,16 @@ def subscribed(event: str) -> list[Subscription]:
     return [s for s in active if event in s.events and s.user.is_active]
 
 
-def create(subs: list[Subscription], event: str, key: str, payload: dict, project_id: int | None = None) -> list[int]:
+def create(subs: list[Subscription], event: str, key: str, payload, project_id: int | None = None) -> list[int]:
+    """One delivery per subscription; `payload` is a dict, or a function of the subscription."""
     created = []
     for sub in subs:
         if project_id is not None and not can_see(sub.user, project_id):
             continue  # left the project since subscribing (or submitting)
+        body = payload(sub) if callable(payload) else payload
         try:
             with transaction.atomic():
-                delivery = Delivery.objects.create(subscription=sub, event=event, key=key, payload=payload)
+                delivery = Delivery.objects.create(subscription=sub, event=event, key=key, payload=body)
         except IntegrityError:
             continue  # told already (the same event announced twice)
         created.append(delivery.pk)
@@ -241,6 +251,13 @@ def node_payload(node: Node, audit: AuditEvent, event: str) -> dict:
     }
 
 
+def seen_by(user, payload: dict) -> dict:
+    """A node event's payload with its evidence redacted as the node page redacts it for `user`."""
+    row = SimpleNamespace(detail={"evidence": payload["node"]["evidence"]})
+    (row,) = fleet_evidence.redact_history([row], user)
+    return {**payload, "node": {**payload["node"], "evidence": row.detail["evidence"]}}
+
+
 def budget_payload(budget: Budget, status, threshold: int, day) -> dict:
     slug = budget.project.slug
     return {
@@ -286,7 +303,7 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
     return f"t={timestamp},v1={mac}"
 
 
-def deliver(delivery_id: int) -> str:
+def deliver(delivery_id: int, resolve: egress.Resolver = egress.system_resolver) -> str:
     """Try a pending delivery once; on a transient failure schedule the next try. Returns its state."""
     now = timezone.now()
     claim = now + timedelta(seconds=settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS + OVERDUE_SECONDS)
@@ -298,9 +315,11 @@ def deliver(delivery_id: int) -> str:
     started = time.perf_counter()
     status, error, retry = None, "", False
     try:
-        status = transmit(delivery)
+        status = transmit(delivery, resolve)
     except Transient as exc:
         status, error, retry = exc.status, str(exc), True
+    except egress.Refused as exc:  # never connected: no remote status, nothing to learn from it
+        error = f"{exc}: webhooks go to public addresses only (HANGAR_WEBHOOK_ALLOW_NETS)"
     except Exception as exc:  # a bad address, a refused 4xx: more tries will not help
         error = f"{type(exc).__name__}: {exc}"
     return record_try(delivery, status, error, retry, (time.perf_counter() - started) * 1000)
@@ -323,7 +342,7 @@ def record_try(delivery: Delivery, status: int | None, error: str, retry: bool, 
     return update.get("state", DeliveryState.PENDING)
 
 
-def transmit(delivery: Delivery) -> int | None:
+def transmit(delivery: Delivery, resolve: egress.Resolver = egress.system_resolver) -> int | None:
     sub = delivery.subscription
     if sub.channel == Channel.EMAIL:
         return send_email(delivery)
@@ -336,17 +355,20 @@ def transmit(delivery: Delivery) -> int | None:
         "X-Hangar-Delivery": str(delivery.pk),
         "X-Hangar-Signature": sign(sub.secret, int(time.time()), body),
     }
-    timeout = settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS
     try:
-        # Streamed and never read: only the status counts, and a receiver's body could be huge.
-        with httpx.stream("POST", sub.url, content=body, headers=headers, timeout=timeout) as response:
-            status = response.status_code
+        # Resolved and checked here, at each try: the name may point elsewhere since the save.
+        target = egress.check(sub.url, resolve)
+        status = egress.post(target, body, headers, settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS)
+    except egress.Unresolvable as exc:
+        raise Transient(str(exc)) from exc
     except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
         raise Transient(f"{type(exc).__name__}: {exc}") from exc
     if status >= 500 or status == 429:
         raise Transient(f"HTTP {status}", status)
     if status >= 400:
         raise ValueError(f"HTTP {status}: the receiver refused it")
+    if status >= 300:
+        raise ValueError(f"HTTP {status}: redirects are not followed; subscribe to the URL it points to")
     return status
 
 

@@ -6,6 +6,7 @@ REDIS_URL switches to services mode (PostgreSQL, Redis) with the same code.
 """
 
 import base64
+import ipaddress
 import os
 import secrets
 from datetime import timedelta
@@ -63,6 +64,17 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw in (None, ""):
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_networks(name: str) -> list[str]:
+    """Comma-separated addresses or CIDR networks (default: none), each checked at start."""
+    nets = []
+    for item in env_list(name, []):
+        try:
+            nets.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ImproperlyConfigured(f"{name}: {item!r} is not an address or CIDR network; write e.g. 10.0.0.0/8")
+    return nets
 
 
 # Hangar's own files are its own: every file and folder it creates is private to its user
@@ -635,10 +647,13 @@ LOGGING = {
 }
 
 # --- Operations: metrics and notifications (jobs/metrics.py, jobs/notify.py) --------
-# /metrics answers a bearer token when HANGAR_METRICS_TOKEN is set, else only the
-# client addresses (or CIDR networks) of HANGAR_METRICS_ALLOW.
+# /metrics wants "Authorization: Bearer <token>": HANGAR_METRICS_TOKEN, else a token generated
+# into the data directory at first start (`manage.py up` prints it once). HANGAR_METRICS_ALLOW
+# (default none) lets these addresses in without it: never a network a job shares (a job of
+# network `host` shares the portal host's loopback).
 HANGAR_METRICS_TOKEN = env_str("HANGAR_METRICS_TOKEN")
-HANGAR_METRICS_ALLOW = env_list("HANGAR_METRICS_ALLOW", ["127.0.0.1", "::1"])
+HANGAR_METRICS_TOKEN_FILE = DATA_DIR / "metrics_token"
+HANGAR_METRICS_ALLOW = env_networks("HANGAR_METRICS_ALLOW")
 # What a process measures itself (API request durations, scheduler passes) is shared with
 # the other processes of its machine through prometheus-client's multiprocess files. Set
 # before prometheus_client is first imported, which reads it then.
@@ -658,3 +673,5 @@ HANGAR_WEBHOOK_TIMEOUT_SECONDS = env_float("HANGAR_WEBHOOK_TIMEOUT_SECONDS", 5.0
 HANGAR_WEBHOOK_MAX_TRIES = env_int("HANGAR_WEBHOOK_MAX_TRIES", 5, minimum=1)
 # Retry n waits HANGAR_WEBHOOK_BACKOFF_SECONDS * 2**(n-1).
 HANGAR_WEBHOOK_BACKOFF_SECONDS = env_float("HANGAR_WEBHOOK_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# Webhooks go to public addresses only (jobs/egress.py); these networks are allowed as well.
+HANGAR_WEBHOOK_ALLOW_NETS = env_networks("HANGAR_WEBHOOK_ALLOW_NETS")

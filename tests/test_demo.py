@@ -100,5 +100,7 @@ def test_the_demo_has_a_living_fleet_soon_after_it_starts():
         seen = demo.wait_for_examples(180)
         print(f"demo: every example within {time.monotonic() - started:.0f} s")
         assert seen["nodes"] == 8 and seen["gpu_types"] == 2
-        assert httpx.get(f"{demo.url}/metrics", timeout=10).status_code == 200
+        token = (demo.data / "metrics_token").read_text().strip()  # printed once at first start
+        scrape = httpx.get(f"{demo.url}/metrics", timeout=10, headers={"Authorization": f"Bearer {token}"})
+        assert scrape.status_code == 200
     assert demo.proc.returncode == 0, demo.output()

@@ -5,6 +5,7 @@ import hashlib
 import hmac
 import http.server
 import json
+import socket
 import threading
 import time
 from decimal import Decimal
@@ -20,9 +21,10 @@ from tests.factories import make_attempt, make_job, make_node
 
 
 class Receiver:
-    """A webhook receiver on 127.0.0.1: answers the given statuses in turn (then 200), after `delay` s."""
+    """A webhook receiver (127.0.0.1 unless told): answers the given statuses in turn (then 200),
+    after `delay` s; with `location`, a 307 redirect there instead."""
 
-    def __init__(self, statuses=(), delay: float = 0.0):
+    def __init__(self, statuses=(), delay: float = 0.0, host: str = "127.0.0.1", port: int = 0, location: str = ""):
         self.statuses, self.delay, self.got = list(statuses), delay, []
         outer = self
 
@@ -31,14 +33,20 @@ class Receiver:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.got.append((dict(self.headers), body))
                 time.sleep(outer.delay)
-                self.send_response(outer.statuses.pop(0) if outer.statuses else 200)
+                self.send_response(307 if location else outer.statuses.pop(0) if outer.statuses else 200)
+                if location:
+                    self.send_header("Location", location)
                 self.end_headers()
 
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        class Server(http.server.ThreadingHTTPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self.server = Server((host, port), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
@@ -50,13 +58,19 @@ class Receiver:
 def receiver():
     made = []
 
-    def make(*statuses, delay=0.0):
-        made.append(Receiver(statuses, delay))
+    def make(*statuses, delay=0.0, **where):
+        made.append(Receiver(statuses, delay, **where))
         return made[-1]
 
     yield make
     for r in made:
         r.close()
+
+
+@pytest.fixture(autouse=True)
+def receivers_allowed(settings):
+    """The receivers listen on 127.0.0.1, which webhooks reach only where an operator allowed it."""
+    settings.HANGAR_WEBHOOK_ALLOW_NETS = ["127.0.0.1/32"]
 
 
 def subscribe(user, url, events, project=None, channel="webhook") -> Subscription:

@@ -5,6 +5,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from jobs.models import Channel, Delivery, Event, Subscription
+from jobs.models.notify import url_problem
 from portal.models import Project
 
 
@@ -38,8 +39,9 @@ class SubscriptionSerializer(serializers.ModelSerializer):
     def validate(self, data):
         channel = data.get("channel", getattr(self.instance, "channel", Channel.WEBHOOK))
         url = data.get("url", getattr(self.instance, "url", ""))
-        if channel in (Channel.WEBHOOK, Channel.SLACK) and not url.startswith(("http://", "https://")):
-            raise serializers.ValidationError({"url": f"is required for a {channel} subscription: an http(s) URL"})
+        changed = self.instance is None or {"url", "channel"} & data.keys()
+        if changed and (problem := url_problem(channel, url)):
+            raise serializers.ValidationError({"url": problem})
         return data
 
 

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from jobs import egress
 from portal.models import Project
 
 
@@ -32,6 +33,16 @@ class Channel(models.TextChoices):
     WEBHOOK = "webhook", "Webhook (JSON POST, HMAC-signed)"
     SLACK = "slack", "Slack-compatible webhook"
     EMAIL = "email", "E-mail"
+
+
+def url_problem(channel: str, url: str, resolve: egress.Resolver = egress.system_resolver) -> str | None:
+    """Why a subscription of this channel may not have this URL (said of the field `url`), or
+    None; the API and the notifications page both ask."""
+    if channel not in (Channel.WEBHOOK, Channel.SLACK):
+        return None
+    if not url.startswith(("http://", "https://")):
+        return f"is required for a {channel} subscription: an http(s) URL"
+    return egress.url_problem(url, resolve)
 
 
 class SubscriptionQuerySet(models.QuerySet):

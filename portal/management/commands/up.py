@@ -15,6 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from portal import metricstoken
 from portal.models import Membership, Project, Role
 from portal.webserver import listening_sockets
 
@@ -38,7 +39,7 @@ class Command(BaseCommand):
         call_command("example_rates")  # a first start has no rate: cost pages would read 0.00
         call_command("venv_environment")  # the local agent runs jobs in this virtualenv on request
         reset_process_metrics()
-        login = ensure_admin()
+        login = ensure_admin() + scrape_token_shown()
         ensure_default_project()
         self.prepare()
         started = timezone.now()
@@ -113,6 +114,14 @@ def ensure_admin() -> str:
     password = os.environ.get("HANGAR_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
     users.create_superuser(username=username, email="", password=password)
     return f"log in as {username!r} with password {password!r} (shown once)"
+
+
+def scrape_token_shown() -> str:
+    """A banner line with the Prometheus scrape token, at the start that generated it (once)."""
+    token, made = metricstoken.ensure()
+    if not made:
+        return ""
+    return f"\n  Prometheus scrape token: {token} (kept in {settings.HANGAR_METRICS_TOKEN_FILE})"
 
 
 def ensure_default_project() -> None:
