@@ -49,7 +49,15 @@ CLOSE_UNAUTHENTICATED = wsauth.CLOSE_UNAUTHENTICATED
 CLOSE_NOT_FOUND = wsauth.CLOSE_NOT_FOUND
 
 
+class AccessEnded(Exception):
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 class JobLogConsumer(AsyncWebsocketConsumer):
+    close_sent = False
+
     async def connect(self):
         # Refusals are accepted, then closed with their code (portal.wsauth).
         user = self.scope.get("user")
@@ -68,15 +76,22 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         self.wake = asyncio.Event()
         self.sub = 0
         self.pump: asyncio.Task | None = None
+        self.ended = False
         if self.channel_layer is not None:
             await self.channel_layer.group_add(job_group(self.job_id), self.channel_name)
         await self.accept()
-        self.watcher = wsauth.watch(self, self.visible)
+        self.watcher = wsauth.watch(self, self.visible, before_close=self.end_access)
         params = {k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode("latin-1")).items()}
         await self.subscribe(params, cursor_from(params), announce=False)
 
     def visible(self) -> bool:
         return Job.objects.visible_to(self.scope["user"]).filter(pk=self.job_id).exists()
+
+    async def close(self, code=None, reason=None):
+        """Once: the stream and the watch may both end it."""
+        if not self.close_sent:
+            self.close_sent = True
+            await super().close(code=code, reason=reason)
 
     async def disconnect(self, code):
         if getattr(self, "pump", None) is not None:
@@ -88,6 +103,18 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             self.slot = None
         if self.channel_layer is not None and hasattr(self, "job_id"):
             await self.channel_layer.group_discard(job_group(self.job_id), self.channel_name)
+
+    async def end_access(self) -> None:
+        """Its access ended (portal.wsauth closes it next): no line goes out after this, even
+        to a subscribe that arrives before the close does."""
+        self.ended = True
+        await self.stop_streaming()
+
+    async def stop_streaming(self) -> None:
+        if self.pump is not None:
+            self.pump.cancel()
+            await asyncio.gather(self.pump, return_exceptions=True)
+            self.pump = None
 
     async def receive(self, text_data=None, bytes_data=None):
         try:
@@ -106,10 +133,7 @@ class JobLogConsumer(AsyncWebsocketConsumer):
 
     async def subscribe(self, filters: dict, cursor: Cursor, announce: bool = True) -> None:
         """Stop the running subscription and start one with these filters from this cursor."""
-        if self.pump is not None:
-            self.pump.cancel()
-            await asyncio.gather(self.pump, return_exceptions=True)
-            self.pump = None
+        await self.stop_streaming()
         try:
             log_filter = LogFilter.parse(filters)
         except LogFilterError as exc:
@@ -125,6 +149,8 @@ class JobLogConsumer(AsyncWebsocketConsumer):
                 "cursor": cursor,
             }
             await self.send_json(subscribed)
+        if self.ended:
+            return
         self.pump = asyncio.create_task(self.stream(Subscription(self.sub, log_filter, cursor)))
 
     async def log_appended(self, message: LogAppendedHint):
@@ -135,6 +161,10 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             await self.follow(subscription)
         except asyncio.CancelledError:
             raise
+        except AccessEnded as ended:
+            log.info("log stream of job %s closed with %s: its access ended", self.job_id, ended.code)
+            self.ended = True
+            await self.close(code=ended.code)
         except LogFilterError as exc:  # PostgreSQL refused the pattern RE2 accepted
             error: ErrorMessage = {"type": "error", "field": exc.field, "message": exc.message}
             await self.send_json(error)
@@ -187,6 +217,8 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         )
         before = (sub.cursor["attempt"], sub.cursor["seq"])
         lines, cursor, more = read_page(self.job_id, sub.filter, before, BATCH if sub.read_any else FIRST_BATCH)
+        if lines and not wsauth.scope_acts(self.scope):  # after the read: none read after a revocation goes out
+            raise AccessEnded(CLOSE_UNAUTHENTICATED)
         sub.read_any = True
         errors = []
         while cursor != before and (line := first_error(self.job_id, sub.errors_sent)) is not None:

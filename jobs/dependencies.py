@@ -52,6 +52,9 @@ def settle(job: Job) -> None:
     now = timezone.now()
     found = standing(job.depends_on)
     blocked = Job.objects.filter(pk=job.pk, state=JobState.BLOCKED)
+    if found.kind == "met" and (refused := acting_refusal_for(job)):
+        # Its submitter's token was revoked, or they left the project, while it waited: it starts nothing.
+        found = Verdict("never", refused)
     if found.kind == "met":
         if blocked.update(state=JobState.QUEUED, queued_at=now, order_at=now, state_reason=""):
             JobEvent.objects.create(job=job, kind="unblocked", message="every job it depends on is done")
@@ -63,6 +66,13 @@ def settle(job: Job) -> None:
             job_ended.send(sender=Job, job=job)  # its own dependents are settled, its watchers told
     else:
         blocked.exclude(state_reason=found.reason).update(state_reason=found.reason)
+
+
+def acting_refusal_for(job: Job) -> str | None:
+    """Why the user and token that submitted `job` may no longer start it (jobs/tokenlimits.py)."""
+    from jobs import tokenlimits
+
+    return tokenlimits.acting_refusal(job.submitted_by, job.submitted_with_id, job.project)
 
 
 def settle_dependents(job_id: int, project_id: int | None = None) -> None:

@@ -20,23 +20,26 @@ its field names the stage: `stages.train.gpus_per_node`.
 Every attempt of a stage gets HANGAR_PIPELINE_DIR, the run's directory under
 HANGAR_PIPELINE_ROOT (a shared filesystem when stages run on several nodes). Run again
 from a stage reruns it and every stage downstream of it; the others are reused (their
-jobs, not run again), and the new run's directory starts as a copy of the earlier one's.
+jobs, not run again), and the new run's directory starts as a copy of the earlier one's, made
+on the node by its first stage's attempt, as that stage's uid (agent/pipelinecopy.py): the web
+process never reads a directory a job wrote. A run is run again only once every stage ended.
 """
 
 import graphlib
 import re
 import secrets
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 from django.dispatch import receiver
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.status import HTTP_409_CONFLICT
 
-from jobs import jobspec, reproduce
+from jobs import jobspec, reproduce, tokenlimits
 from jobs.models import Job, JobState, PipelineRun, PipelineStage, pipeline_state
+from jobs.models.pipeline import CopyState
 from jobs.signals import attempt_finished, job_ended
 from jobs.submission import project_for, submit_job
 from portal import statements
@@ -69,6 +72,13 @@ class Plan:
     params: dict[str, str]
     stages: list[Stage]  # in a topological order: every stage after the ones it needs
     idempotency_key: str = ""
+
+
+class RunNotOver(APIException):
+    """A rerun asked of a run with a stage not yet ended: its directory may still change."""
+
+    status_code = HTTP_409_CONFLICT
+    default_code = "pipeline_running"
 
 
 @dataclass
@@ -280,28 +290,44 @@ def without_secrets(document: dict) -> dict:
 
 
 def make_directory(run: PipelineRun, copy_from: PipelineRun | None = None) -> None:
-    """The run's directory: a name no other job can guess, made before the transaction commits
-    (no stage starts before that). A rerun's starts as a copy of the earlier run's: symbolic
-    links are copied as links, never followed (a stage could point one anywhere)."""
+    """The run's directory: a name no other job can guess. A fresh run's is made empty here,
+    before the transaction commits (no stage starts before that). A rerun's is not made here:
+    its first stage's attempt copies the earlier run's on its node, as that stage's uid, and
+    the run shows how far that got (agent/pipelinecopy.py)."""
     path = Path(settings.HANGAR_PIPELINE_ROOT) / f"{run.pk}-{secrets.token_hex(8)}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    earlier = Path(copy_from.directory) if copy_from is not None else None
-    if earlier is not None and earlier.is_dir():
-        shutil.copytree(earlier, path, symlinks=True)
-    else:
-        path.mkdir()
     run.directory = str(path)
+    if copy_from is not None:
+        run.copy_state = CopyState.WAITING
+        run.save(update_fields=["directory", "copy_state"])
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir()
     run.save(update_fields=["directory"])
 
 
+def refuse_while_running(earlier: PipelineRun, stages: list[PipelineStage]) -> None:
+    """A run is run again once every stage of it ended: a stage still going could change the
+    directory the rerun starts from while it is copied."""
+    going = next((stage for stage in stages if not stage.job.is_final), None)
+    if going is not None:
+        message = (
+            f"stage {going.name} (job {going.job_id}) is {going.job.state}: pipeline run {earlier.pk} has not "
+            f"ended, and a rerun starts from its directory as every stage left it. Wait for the run to end, or "
+            f"cancel it (hangar pipeline cancel {earlier.pk}), then run it again"
+        )
+        raise RunNotOver({"stages": {going.name: [message]}})
+
+
 def rerun(user, earlier: PipelineRun, from_stage: str = "", given_secrets=None) -> Submitted:
-    """Run `earlier` again: every stage, or `from_stage` and what is downstream of it (the
-    other stages are reused, and the new directory starts as a copy of the earlier one)."""
+    """Run `earlier` again, once every stage of it ended: every stage, or `from_stage` and what
+    is downstream of it (the other stages are reused, and the new directory starts as a copy of
+    the earlier one, made by the first stage's attempt: make_directory)."""
     stages = earlier.ordered_stages()
     names = [s.name for s in stages]
     if from_stage and from_stage not in names:
         message = f"{from_stage!r} is not a stage of pipeline run {earlier.pk}; stages are {', '.join(names)}"
         raise ValidationError({"from_stage": [message]})
+    refuse_while_running(earlier, stages)
     again = downstream(stages, from_stage) if from_stage else set(names)
     for stage in stages:
         for need in stage.needs if stage.name in again else []:
@@ -403,9 +429,38 @@ def run_over(job_id: int) -> None:
             tracking.close_parent_run(run, state)
 
 
+STOPPED = "stopped: "  # the reason of a stage cancelled because what it acts for ended
+
+
+def stop_stages_acting_for_ended(job_id: int) -> int:
+    """A stage's job ended: cancel the waiting stages of its runs whose token was revoked, or whose
+    submitter was deactivated or left the project, saying why; the number cancelled. Called in
+    the transaction that ended the stage, so it comes before that end releases them (after
+    commit, jobs/dependencies.py). Each stage's job records the user and token it acts for."""
+    waiting = Job.objects.filter(
+        state=JobState.BLOCKED, pipeline_stages__reused=False, pipeline_stages__run__stages__job_id=job_id
+    ).select_related("submitted_by", "project")
+    verdicts: dict[tuple, str | None] = {}
+    stopped = 0
+    for job in waiting.distinct():
+        who = (job.submitted_by_id, job.submitted_with_id, job.project_id)
+        if who not in verdicts:
+            verdicts[who] = tokenlimits.acting_refusal(job.submitted_by, job.submitted_with_id, job.project)
+        if verdicts[who] is not None and job.cancel(None, STOPPED + verdicts[who]):
+            stopped += 1
+    return stopped
+
+
+def stopped_reason(job_reasons: list[str]) -> str:
+    """Why a run stopped starting its stages (from its stages' jobs' reasons), or ""."""
+    return next((r.removeprefix(STOPPED) for r in job_reasons if r.startswith(STOPPED)), "")
+
+
 @receiver(attempt_finished)
 def _after_an_attempt(sender, attempt, job, **kwargs) -> None:
     if job.staged:
+        if job.state == JobState.SUCCEEDED:  # only a success releases a stage (needs are on success)
+            stop_stages_acting_for_ended(job.pk)
         transaction.on_commit(lambda: run_over(job.pk))
 
 

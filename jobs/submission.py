@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import transaction
-from rest_framework.exceptions import ValidationError
+from django.db.models import QuerySet
+from rest_framework import status
+from rest_framework.exceptions import APIException, ValidationError
 
 from jobs import dependencies, jobspec, snapshots, tokenlimits
 from jobs.api.capacity import node_sizes
@@ -24,6 +26,27 @@ from jobs.models import Environment, Job, JobEvent, JobState, priority_class, pr
 from jobs.models.environment import requirements_key, requirements_of
 from portal import wakeup
 from portal.models import Project, Role, VolumeMode, project_with_role
+
+
+class IdempotencyConflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "idempotency_conflict"
+
+
+KEY_TAKEN = "is already used; use a new key"
+
+
+def held_by_key(mine: QuerySet, visible: QuerySet, taken: str = KEY_TAKEN):
+    """What a replayed idempotency key holds for the caller (`mine`: the caller's own job, run or
+    sweep with that key), or None when the key is free. One in a project the caller may not see
+    now (a project they left, or outside their token's project) answers 409 naming nothing: a
+    replay would hand it back whole, and a mismatch's message says which of its fields differ."""
+    held = mine.first()
+    if held is None:
+        return None
+    if not visible.filter(pk=held.pk).exists():
+        raise IdempotencyConflict({"idempotency_key": taken})
+    return held
 
 
 @dataclass

@@ -30,15 +30,17 @@ from django.dispatch import receiver
 from rest_framework import exceptions
 from rest_framework.exceptions import ValidationError
 
-from jobs import results, tracking
+from jobs import results, tokenlimits, tracking
 from jobs.models import FINAL_JOB_STATES, Job, Sweep
 from jobs.signals import attempt_finished, job_ended
-from jobs.submission import project_for, submit_job
+from jobs.submission import IdempotencyConflict, held_by_key, project_for, submit_job
 
 log = logging.getLogger("hangar.sweeps")
 
 FIELDS = ("name", "project", "base", "grid", "variants", "max_parallel", "objective", "idempotency_key")
 MAX_VARIANTS = 1000
+KEY_TAKEN = "is already used (without one, a sweep's key is a hash of its file); give a new idempotency_key"
+STOPPED = "stopped: "  # a refused variant's reason when the whole sweep stopped (`stop`)
 DOTTED = ("env", "config")  # fields whose keys an override may set one by one: env.LR, config.lr
 
 
@@ -107,11 +109,6 @@ def rank(runs: list[dict], mode: str) -> list[dict]:
 # --- creating ---------------------------------------------------------------------------
 
 
-class IdempotencyConflict(exceptions.APIException):
-    status_code = 409
-    default_code = "idempotency_conflict"
-
-
 def check_body(user, body) -> tuple[dict, list[dict], dict]:
     """(base spec with project and objective, each variant's overrides, each variant's checked data)."""
     from jobs.api.serializers import JobSubmitSerializer, ObjectiveSerializer
@@ -154,7 +151,7 @@ def checked_variant(user, base: dict, index: int, overrides: dict, serializer_cl
 def create(user, body) -> tuple[Sweep, bool]:
     """The sweep `body` describes, and whether it was created now (False: the same file again)."""
     key = file_key(body) if isinstance(body, dict) else ""
-    if key and (found := Sweep.objects.filter(submitted_by=user, key=key).first()) is not None:
+    if key and (found := held_sweep(user, key)) is not None:
         if found.content != content_hash(body):
             raise IdempotencyConflict(
                 f"idempotency_key {key!r} was used for sweep {found.pk} with another sweep file; "
@@ -180,8 +177,14 @@ def create(user, body) -> tuple[Sweep, bool]:
             )
             submit_next(sweep, user, checked, strict=True)
     except IntegrityError:  # the same file sent twice at once: the other one made it
-        return Sweep.objects.get(submitted_by=user, key=key), False
+        return held_sweep(user, key), False
     return sweep, True
+
+
+def held_sweep(user, key: str) -> Sweep | None:
+    """The caller's sweep of this key, if they may see it now (jobs/submission.py: held_by_key)."""
+    mine = Sweep.objects.filter(submitted_by=user, key=key)
+    return held_by_key(mine, Sweep.objects.visible_to(user), KEY_TAKEN)
 
 
 def submit_next(sweep: Sweep, user, checked: list[dict] | None = None, strict: bool = False) -> int:
@@ -190,12 +193,24 @@ def submit_next(sweep: Sweep, user, checked: list[dict] | None = None, strict: b
     (a token's cap, 429) once some variants run. A transient refusal waits for the next of
     its jobs to end (or the file sent again); any other refusal is recorded on the variant."""
     free = sweep.max_parallel - sweep.unfinished().count()
+    todo = sweep.pending()[: max(free, 0)]
+    # Later (not at creation, whose request was just authenticated): only while its token, its
+    # submitter and their membership still hold. Checked before any variant, and by each submit.
+    if todo and not strict and (why := tokenlimits.acting_refusal(user, sweep.submitted_with_id, sweep.project)):
+        stop(sweep, why)
+        return 0
     submitted, waiting, refused = 0, "", dict(sweep.refused)
-    for index in sweep.pending()[: max(free, 0)]:
+    for index in todo:
         try:
             submit_variant(sweep, user, index, checked[index] if checked else None)
         except IntegrityError:  # its key is taken: another advance submitted it meanwhile
             continue
+        except tokenlimits.TokenEnded as exc:  # revoked since the look above
+            if strict:
+                raise
+            sweep.refused = refused  # the variants refused before it keep their own reasons
+            stop(sweep, flat(exc.detail))
+            return submitted
         except exceptions.APIException as exc:
             busy = exc.status_code == 429
             if strict and not (busy and submitted):  # at creation: nothing, unless some run and the rest wait
@@ -234,12 +249,24 @@ def flat(detail) -> str:
 def advance(sweep_id: int) -> int:
     """Submit what may run now (after one of its jobs ended, or the file was sent again)."""
     with transaction.atomic():
-        sweep = Sweep.objects.select_for_update().filter(pk=sweep_id).select_related("submitted_by").first()
+        locked = Sweep.objects.select_for_update(of=("self",)).select_related("submitted_by", "project")
+        sweep = locked.filter(pk=sweep_id).first()
         if sweep is None:
             return 0
-        user = sweep.submitted_by
-        user.api_token_id = sweep.submitted_with_id  # its token's limits go on counting its jobs
-        return submit_next(sweep, user)
+        return submit_next(sweep, sweep.submitted_by)  # acting for its token (tokenlimits.acting_refusal)
+
+
+def stop(sweep: Sweep, why: str) -> None:
+    """Submit none of its pending variants, saying why on each (its token was revoked, say)."""
+    refused = {**sweep.refused, **{str(i): STOPPED + why for i in sweep.pending()}}
+    Sweep.objects.filter(pk=sweep.pk).update(refused=refused, waiting_reason="")
+    sweep.refused, sweep.waiting_reason = refused, ""
+    log.info("sweep %s stopped: %s", sweep.pk, why)
+
+
+def stopped_reason(sweep: Sweep) -> str:
+    """Why it stopped submitting variants, or ""."""
+    return next((r.removeprefix(STOPPED) for r in sweep.refused.values() if r.startswith(STOPPED)), "")
 
 
 def cancel(sweep: Sweep, by, reason: str) -> int:
@@ -314,6 +341,7 @@ def document(sweep: Sweep) -> dict:
         "variants": sweep.size,
         "counts": counts,
         "waiting_reason": sweep.waiting_reason,
+        "stopped_reason": stopped_reason(sweep),
         "best": best,
         "runs": ranked,
         "base": sweep.base,

@@ -8,7 +8,14 @@ first: two submits of one token at once are counted one after the other. A refus
 which limit, what is used and when it frees: 429 with Retry-After for the running-job,
 GPU and GPU-hour caps (they free by themselves), 403 for spend.
 
-The arithmetic (`usage_refusal`, `spend_today`) is plain functions over plain data.
+The same read refuses a submit for a token revoked (or a user deactivated) since the request
+that began the work: a sweep submits its later variants, and another web process remembers a
+token for a few seconds. `acting_refusal` says why such later work (a sweep's next variant, a
+pipeline's next stage) may create nothing more: its token revoked, its submitter deactivated
+or no longer a member of its project. (Tokens do not expire; a revocation is their end.)
+
+The arithmetic (`usage_refusal`, `spend_today`) and `acting_refusal_of` are plain functions
+over plain data.
 """
 
 from dataclasses import dataclass
@@ -22,7 +29,7 @@ from rest_framework import exceptions, status
 from jobs.costs import Rate, attempt_cost
 from jobs.models import FINAL_JOB_STATES, Attempt, GpuRate, Job
 from portal import statements
-from portal.models import LIMIT_FIELDS, ApiToken
+from portal.models import LIMIT_FIELDS, ApiToken, Role, project_with_role
 
 NO_ESTIMATE_RETRY_SECONDS = 30
 MAX_RETRY_SECONDS = 3600
@@ -133,21 +140,43 @@ def frees(used: Usage, now: datetime) -> tuple[int, str]:
     return wait, f"one frees when a job ends: at the latest by {end:%Y-%m-%d %H:%M:%S} UTC (its max runtime)"
 
 
+class TokenEnded(exceptions.APIException):
+    """A submit for a token that was revoked, or whose user was deactivated, since the work that
+    submits it began (a sweep's next variant): that work stops, saying why."""
+
+    status_code = status.HTTP_403_FORBIDDEN
+    default_code = "token_ended"
+
+    def __init__(self, message: str):
+        super().__init__({"token": message})
+
+
 @statements.query
-def limited_token(pk: int):
-    """The token, if it has a limit."""
-    return ApiToken.objects.filter(pk=pk).exclude(**{name: None for name in LIMIT_FIELDS}).values_list("pk")[:1]
+def token_standing(pk: int):
+    """Whether the token still acts (revoked when, its user active) and its limits, in one read."""
+    return ApiToken.objects.filter(pk=pk).values_list("revoked_at", "user__is_active", *LIMIT_FIELDS)[:1]
 
 
 def check(token_id: int | None, gpus: int) -> None:
-    """Refuse a submit over the token's limits (call inside the submit's transaction)."""
+    """Refuse a submit for a revoked token, or one over the token's limits (call inside the
+    submit's transaction). The request that began the work authenticated the token, but a
+    sweep or a pipeline submits later, and another web process remembers a token for
+    HANGAR_API_TOKEN_CACHE_SECONDS: this read is the last word."""
     if token_id is None:
         return
+    standing = token_standing.first(pk=token_id)
+    if standing is None:
+        return
+    revoked_at, user_active, *limits = standing
+    if revoked_at is not None:
+        raise TokenEnded(f"the API token it is submitted with was revoked at {revoked_at:%Y-%m-%d %H:%M:%S} UTC")
+    if not user_active:
+        raise TokenEnded("the API token it is submitted with belongs to a deactivated user")
     # Only a token with limits is locked (its submits take turns, so each counts the ones
     # before it): locking every token made an agent's parallel submits with one unlimited
     # token wait for each other (16 at once: ~48 ms each in the lock, bench/throughput.py).
-    # A limit set while such a submit runs counts from the submits after it.
-    if limited_token.first(pk=token_id) is None:
+    # A limit set (or a revocation made) while such a submit runs counts from the submits after it.
+    if all(value is None for value in limits):
         return
     token = ApiToken.objects.select_for_update().filter(pk=token_id).first()
     if token is None or not any(value is not None for value in token.limits.values()):
@@ -159,3 +188,50 @@ def check(token_id: int | None, gpus: int) -> None:
     now = timezone.now()
     if (refusal := usage_refusal(token.limits, usage(token, now), gpus, now)) is not None:
         raise refusal
+
+
+# --- work that goes on after its request: sweeps' next variants, pipelines' next stages ----
+
+
+@dataclass(frozen=True)
+class Acting:
+    """Who later work acts for, as it stands now."""
+
+    username: str
+    user_active: bool
+    member: bool  # still a member (or higher) of the work's project, within the token's project limit
+    project: str
+    token: str = ""  # "'name' (hint…)"; "" for work submitted from a browser session
+    token_state: str = ""  # active, revoked or deleted; "" without a token
+
+
+def acting_refusal_of(acting: Acting) -> str | None:
+    """Why the work may create no more jobs, or None."""
+    if acting.token_state in ("revoked", "deleted"):
+        token = f"API token {acting.token}" if acting.token else "API token"
+        return f"the {token} it was submitted with was {acting.token_state}; submit it again with an active token"
+    if not acting.user_active:
+        return f"{acting.username}, who submitted it, was deactivated"
+    if not acting.member:
+        return f"{acting.username}, who submitted it, is no longer a member of {acting.project} who may submit jobs"
+    return None
+
+
+def acting_refusal(user, token_id: int | None, project) -> str | None:
+    """Why work submitted earlier for `user` (with the token `token_id`) may create no more jobs
+    in `project` now, or None. Sets on `user` what the token's authentication sets (its project
+    limit, its id for the limits), so what the work submits next is the token's, as at first.
+    `user` is read with the work (its is_active is that read's)."""
+    token = ApiToken.objects.filter(pk=token_id).first() if token_id else None
+    state = "" if not token_id else "deleted" if token is None else "revoked" if token.revoked_at else "active"
+    if token is not None:
+        user.api_token_id, user.token_project_id, user.token_read_only = token.pk, token.project_id, token.read_only
+    acting = Acting(
+        username=user.username,
+        user_active=user.is_active,
+        member=project_with_role(user, project.slug, Role.MEMBER) is not None,
+        project=project.slug,
+        token=f"{token.name!r} ({token.hint}…)" if token is not None else "",
+        token_state=state,
+    )
+    return acting_refusal_of(acting)

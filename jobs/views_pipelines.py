@@ -11,6 +11,7 @@ from rest_framework.exceptions import ValidationError
 from jobs import pipelines
 from jobs.api.pipelines import run_json
 from jobs.models import STATE_COLOURS, PipelineRun
+from jobs.models.pipeline import CopyState
 from portal.api.shape import flatten
 
 COLOURS = {"grey": "#7b8394", "blue": "#2456d6", "green": "#1b8a4a", "red": "#c2352b", "orange": "#c27a12"}
@@ -31,6 +32,8 @@ def run_context(request, pk: int) -> dict:
     body = run_json(run)
     for stage in body["stages"]:
         stage["colour"] = STATE_COLOURS[stage["state"]]
+    if copy := body["copy"]:
+        copy["label"], copy["colour"] = CopyState(copy["state"]).label, CopyState(copy["state"]).colour
     return {
         "run": run,
         "body": body,
@@ -66,7 +69,7 @@ def rerun(request, pk: int):
     run = get_object_or_404(visible_runs(request), pk=pk)
     try:
         again = pipelines.rerun(request.user, run, request.POST.get("from_stage", "")).run
-    except ValidationError as refused:
+    except (ValidationError, pipelines.RunNotOver) as refused:
         for error in flatten(refused.detail):
             messages.error(request, f"{error['field']}: {error['message']}" if error["field"] else error["message"])
         return redirect("pipeline-detail", pk=run.pk)

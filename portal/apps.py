@@ -8,7 +8,10 @@ class PortalConfig(AppConfig):
     def ready(self) -> None:
         from django.db.backends.signals import connection_created
 
-        from portal import multihost  # noqa: F401  (registers its `check --deploy` rules)
+        from portal import (
+            multihost,  # noqa: F401  (registers its `check --deploy` rules)
+            wsauth,  # noqa: F401  (a revocation closes sockets in whichever process makes it)
+        )
         from portal.api import schema  # noqa: F401  (registers the token scheme with drf-spectacular)
         from portal.login import connect_signals
         from portal.patterns import install_sqlite_regexp

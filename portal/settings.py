@@ -486,6 +486,9 @@ HANGAR_JOB_WORKDIR = Path(env_str("HANGAR_JOB_WORKDIR", str(DATA_DIR / "jobs")))
 # One directory per pipeline run (HANGAR_PIPELINE_DIR in every stage, jobs/pipelines.py). On a
 # fleet of several nodes it must be a filesystem every node mounts at the same path.
 HANGAR_PIPELINE_ROOT = Path(env_str("HANGAR_PIPELINE_ROOT", str(DATA_DIR / "pipelines")))
+# At most this many bytes of data (holes not counted) are copied into a rerun's directory from
+# the earlier run's (agent/pipelinecopy.py); a rerun over it fails as the user's, before copying.
+HANGAR_PIPELINE_MAX_BYTES = env_int("HANGAR_PIPELINE_MAX_BYTES", 100 * 1024**3, minimum=0)
 # Where jobs' checkpoint directories live (ROOT/<job id>). Unset: in each node's job directory,
 # so a job requeued onto another host starts without its checkpoint (its log says so). On a
 # fleet of several hosts, point it at storage every node mounts at the same path.

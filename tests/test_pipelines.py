@@ -1,6 +1,7 @@
 """Pipelines: stages as ordinary jobs waiting on the jobs of the stages they need, one
 shared directory per run, cancel, run again; bad input refused by stage and field."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -173,35 +174,37 @@ def test_cancel_stops_the_running_stage_and_the_blocked_ones(owner, teammate, pr
     assert prepare.attempts.get().cancel_requested_at is not None  # its agent stops it (SIGTERM, grace)
 
 
-def test_run_again_from_a_stage_reuses_the_earlier_stages_and_copies_the_directory(owner, project, node, pipeline_root):
+def test_run_again_from_a_stage_reuses_the_earlier_stages_once_every_stage_ended(owner, project, node, pipeline_root):
     earlier = PipelineRun.objects.get(pk=post(owner, document()).json()["id"])
     prepare, train, evaluate = [s.job for s in earlier.ordered_stages()]
-    (Path(earlier.directory) / "checkpoint.txt").write_text("weights")
-    (Path(earlier.directory) / "escape").symlink_to("/etc/hostname")
     client = api_client(owner)
 
     response = client.post(f"{URL}{earlier.pk}/rerun/", {"from_stage": "evaluate"}, format="json")
-    assert response.status_code == 400 and "stage train (job" in fields_of(response)["from_stage"]  # not succeeded yet
-    for job in (prepare, train):
-        make_attempt(job, node, AttemptState.RUNNING).finish(AttemptState.SUCCEEDED, "", "done")
+    assert response.status_code == 409 and response.json()["code"] == "pipeline_running"
+    assert f"stage prepare (job {prepare.pk}) is queued" in fields_of(response)["stages.prepare"]
+    make_attempt(prepare, node, AttemptState.RUNNING).finish(AttemptState.SUCCEEDED, "", "done")
+    make_attempt(train, node, AttemptState.RUNNING).finish(AttemptState.FAILED, FailureClass.USER, "exit 1")
+    evaluate.cancel(owner, "train failed")
     assert client.post(f"{URL}{earlier.pk}/rerun/", {"from_stage": "deploy"}, format="json").status_code == 400
-
     response = client.post(f"{URL}{earlier.pk}/rerun/", {"from_stage": "evaluate"}, format="json")
+    assert response.status_code == 400 and "stage train (job" in fields_of(response)["from_stage"]  # not succeeded
+
+    response = client.post(f"{URL}{earlier.pk}/rerun/", {"from_stage": "train"}, format="json")
     assert response.status_code == 201, response.content
     body = response.json()
     stages = {s["name"]: s for s in body["stages"]}
-    assert (stages["prepare"]["job"], stages["train"]["job"]) == (prepare.pk, train.pk)
-    assert stages["train"]["reused"] and not stages["evaluate"]["reused"]
-    again = Job.objects.get(pk=stages["evaluate"]["job"])
-    assert again.pk != evaluate.pk and again.command == evaluate.command and again.state == JobState.QUEUED
-    assert body["rerun_of"] == earlier.pk and body["from_stage"] == "evaluate"
-    copied = Path(body["directory"])
-    assert copied != Path(earlier.directory) and (copied / "checkpoint.txt").read_text() == "weights"
-    assert (copied / "escape").is_symlink()  # copied as a link, never followed
-    assert pipelines.stage_env(train)["HANGAR_PIPELINE_DIR"] == earlier.directory  # a reused job keeps its run's
+    assert stages["prepare"]["job"] == prepare.pk and stages["prepare"]["reused"] and not stages["train"]["reused"]
+    again = Job.objects.get(pk=stages["train"]["job"])
+    assert again.pk != train.pk and again.command == train.command and again.state == JobState.QUEUED
+    assert body["rerun_of"] == earlier.pk and body["from_stage"] == "train"
+    # The copy is its first stage's, on its node, as its uid (tests/test_pipeline_rerun_security.py).
+    assert body["copy"] == {"state": "waiting", "bytes": 0, "total": 0, "reason": "", "from_run": earlier.pk}
+    assert Path(body["directory"]).parent == pipeline_root and not Path(body["directory"]).exists()
+    assert pipelines.stage_env(prepare)["HANGAR_PIPELINE_DIR"] == earlier.directory  # a reused job keeps its run's
 
     whole = client.post(f"{URL}{earlier.pk}/rerun/", {}, format="json").json()
-    assert not any(s["reused"] for s in whole["stages"]) and not any(Path(whole["directory"]).iterdir())
+    assert not any(s["reused"] for s in whole["stages"]) and whole["copy"] is None
+    assert not any(Path(whole["directory"]).iterdir())
 
 
 def test_a_retried_submit_with_the_same_key_returns_the_first_run(owner, project, node, pipeline_root):
@@ -365,8 +368,14 @@ def test_sharing_a_runs_files_never_follows_a_link_out_of_it(tmp_path):
     (run_dir / "sub" / "model.ckpt").chmod(0o4700)
     (run_dir / "leak").symlink_to(outside)
     (run_dir / "dirlink").symlink_to(tmp_path)
+    stage_uid = 200123 if os.getuid() == 0 else os.getuid()  # as root: the files are a stage uid's
+    for path in (run_dir / "sub", run_dir / "sub" / "model.ckpt"):
+        mode = path.stat().st_mode & 0o7777
+        os.chown(path, stage_uid, stage_uid)
+        path.chmod(mode)  # chown drops set-id bits
+    os.link(outside, run_dir / "hardlink")  # a file of another uid's (here the test's), linked in
 
-    share_pipeline_files(run_dir)
+    share_pipeline_files(run_dir, {stage_uid})
 
     assert (run_dir / "sub").stat().st_mode & 0o7777 == 0o777
     assert (run_dir / "sub" / "model.ckpt").stat().st_mode & 0o7777 == 0o777  # set-uid dropped, x kept for all

@@ -6,13 +6,13 @@ import sys
 import pytest
 
 from tests.browsing import shoot
-from tests.livestack import UNSANDBOXED, LiveStack
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 
 
 def test_the_run_page_draws_the_dag_follows_the_run_and_opens_a_stages_job(browser, tmp_path):
-    with LiveStack(data_dir=str(tmp_path), env=UNSANDBOXED) as stack:
+    with LiveStack(data_dir=str(tmp_path)) as stack:
         step = [sys.executable, "-c", "import time; time.sleep(1.5)"]
         body = {"project": "default", "name": "browser", "defaults": {"environment": "cuda"},
                 "stages": {"prepare": {"command": step}, "train": {"needs": ["prepare"], "command": step}}}  # fmt: skip

@@ -11,7 +11,7 @@ from datetime import datetime
 import pytest
 
 from hangar import cli
-from tests.livestack import UNSANDBOXED, LiveStack
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def window(stack: LiveStack, job_id: int) -> tuple[datetime, datetime]:
 def test_pipelines_run_in_order_share_a_directory_and_rerun_from_a_stage(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    with LiveStack(data_dir=str(tmp_path), env=UNSANDBOXED) as stack:
+    with LiveStack(data_dir=str(tmp_path)) as stack:
         stages = {
             "prepare": {"command": python(PREPARE)},
             "train": {"needs": ["prepare"], "command": python(TRAIN)},
@@ -104,6 +104,10 @@ def test_pipelines_run_in_order_share_a_directory_and_rerun_from_a_stage(tmp_pat
         new_evaluate = stack.job(by_name["evaluate"]["job"])
         assert client.get_run(new_evaluate["mlflow_run_id"]).data.metrics["score"] == 2.5  # train's checkpoint, reused
         assert again["directory"] != first["directory"]
+        # Copied by evaluate's attempt on the node before its command (agent/pipelinecopy.py).
+        assert again["copy"]["state"] == "done" and again["copy"]["bytes"] == again["copy"]["total"] > 0, again
+        said = [line["text"] for line in stack.api("GET", f"/api/v1/jobs/{new_evaluate['id']}/logs/").json()["lines"]]
+        assert any("of pipeline run" in line and line.startswith("[hangar] copied") for line in said), said
 
         page = httpx_page(stack, again["urls"]["page"])
         assert f'href="/jobs/{new_evaluate["id"]}/"' in page and "reused" in page
@@ -132,7 +136,7 @@ def httpx_page(stack: LiveStack, path: str) -> str:
 
 
 def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(tmp_path, capsys):
-    with LiveStack(data_dir=str(tmp_path), env=UNSANDBOXED) as stack:
+    with LiveStack(data_dir=str(tmp_path)) as stack:
         failing = submit(
             stack,
             {
@@ -165,6 +169,8 @@ def test_a_failing_stage_cancels_the_next_and_a_diamond_runs_its_middle_at_once(
                               "after": {"needs": ["slow"], "command": ["true"]}})  # fmt: skip
         slow_job = long["stages"][0]["job"]
         stack.wait_for(slow_job, ("running",))
+        refused = stack.api("POST", f"/api/v1/pipelines/{long['id']}/rerun/", json={"from_stage": "after"})
+        assert refused.status_code == 409 and refused.json()["errors"][0]["field"] == "stages.slow", refused.text
         assert cli.main(["pipeline", "cancel", str(long["id"]), "--reason", "enough", *flags]) == 0
         assert json.loads(capsys.readouterr().out)["cancelled_stages"] == ["slow", "after"]
         stopped = wait_for_run(stack, long["id"], timeout=30)  # SIGTERM reached the running stage

@@ -18,14 +18,17 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
+from rest_framework.exceptions import AuthenticationFailed, NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs.api.views import int_param
 from jobs.logquery import MAX_MINUTES, SEVERITY_NAMES, LogFilter, LogFilterError, read_page, wire_lines
 from jobs.models import FINAL_JOB_STATES, Job
+from portal import wsauth
 from portal.api.schema import or_empty
 from portal.capacity import slots
+from portal.models import ApiToken
 from portal.patterns import MAX_PATTERN_CHARS
 
 LOG_PAGE_MAX = 5000
@@ -36,6 +39,23 @@ DOWNLOAD_CHUNK = 5000
 
 def visible_job(request, pk: int) -> Job:
     return get_object_or_404(Job.objects.visible_to(request.user), pk=pk)
+
+
+def job_state(request, job_id: int, waited: bool) -> str:
+    """The job's state. After a wait, read with whether the caller still may: a revoked token, a
+    deactivated user, a logout or a project left ends a long poll at its next look (every
+    FOLLOW_POLL_SECONDS), in the same query, not at the end of its wait."""
+    if not waited:
+        return Job.objects.filter(pk=job_id).values_list("state", flat=True).get()
+    session = getattr(getattr(request, "session", None), "session_key", None)
+    token_id = request.auth.pk if isinstance(request.auth, ApiToken) else None
+    conditions = wsauth.still_signed_in(request.user.pk, token_id, session)
+    state = Job.objects.visible_to(request.user).filter(*conditions, pk=job_id).values_list("state", flat=True).first()
+    if state is not None:
+        return state
+    if Job.objects.filter(*conditions, pk=job_id).exists():  # still signed in: out of the job's project
+        raise NotFound(f"no job {job_id} in your projects; you may no longer see it")
+    raise AuthenticationFailed("API token is unknown or revoked, or your session ended; sign in again")
 
 
 def parse_filter(request) -> LogFilter:
@@ -83,7 +103,7 @@ class JobLogsView(APIView):
             holding = False
             while True:
                 # The state is read before the lines: a final state seen here means every line is stored.
-                state = Job.objects.filter(pk=job.pk).values_list("state", flat=True).get()
+                state = job_state(request, job.pk, waited=holding)
                 lines, after, more = read_page(job.pk, log_filter, cursor, limit)
                 final = state in FINAL_JOB_STATES and not more
                 if lines or final or time.monotonic() >= deadline:

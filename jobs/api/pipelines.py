@@ -16,6 +16,8 @@ from rest_framework.response import Response
 from jobs import pipelines
 from jobs.api.views import REASON, AlreadyEnded, IdempotencyConflict, idempotency_key
 from jobs.models import PipelineRun, PipelineStage, PipelineState, pipeline_state
+from jobs.models.pipeline import CopyState
+from jobs.submission import held_by_key
 from portal.inputs import JSONParser
 
 RERUN = inline_serializer(
@@ -83,6 +85,19 @@ def stage_json(stage: PipelineStage) -> dict:
     }
 
 
+def copy_json(run: PipelineRun) -> dict | None:
+    """How far a rerun's copy of the earlier run's directory got; None when the run copies nothing."""
+    if not run.copy_state:
+        return None
+    return {
+        "state": run.copy_state,
+        "bytes": run.copy_bytes,
+        "total": run.copy_total,
+        "reason": run.copy_reason,
+        "from_run": run.rerun_of_id,
+    }
+
+
 def run_json(run: PipelineRun) -> dict:
     stages = [stage_json(s) for s in run.stages.all()]
     state = pipeline_state([s["state"] for s in stages])
@@ -92,11 +107,13 @@ def run_json(run: PipelineRun) -> dict:
         "project": run.project.slug,
         "submitted_by": run.submitted_by.username,
         "state": state,
+        "stopped_reason": pipelines.stopped_reason([s["state_reason"] for s in stages]),
         "created_at": run.created_at,
         "directory": run.directory,
         "params": run.params,
         "rerun_of": run.rerun_of_id,
         "from_stage": run.from_stage,
+        "copy": copy_json(run),
         "mlflow_run_id": run.mlflow_run_id,
         "stages": stages,
         # What this run spent: a reused stage's cost was spent by the run that ran it.
@@ -119,6 +136,14 @@ class PipelineStageSerializer(serializers.Serializer):
     urls = serializers.DictField(child=serializers.CharField())
 
 
+class PipelineCopySerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=CopyState.choices)
+    bytes = serializers.IntegerField(help_text="Bytes of data copied so far (holes not counted).")
+    total = serializers.IntegerField(help_text="Bytes of data the copy found to copy.")
+    reason = serializers.CharField(help_text="Why it failed, or what it left out.")
+    from_run = serializers.IntegerField(allow_null=True)
+
+
 class PipelineRunSerializer(serializers.Serializer):
     """A pipeline run as the API shows it: what the declared fields say, written out by run_json."""
 
@@ -127,11 +152,19 @@ class PipelineRunSerializer(serializers.Serializer):
     project = serializers.CharField()
     submitted_by = serializers.CharField()
     state = serializers.ChoiceField(choices=PipelineState.choices)
+    stopped_reason = serializers.CharField(
+        help_text="Why its waiting stages were cancelled: its token was revoked, or its submitter deactivated "
+        "or out of the project; empty otherwise."
+    )
     created_at = serializers.DateTimeField()
     directory = serializers.CharField(help_text="HANGAR_PIPELINE_DIR of its stages.")
     params = serializers.DictField(child=serializers.CharField())
     rerun_of = serializers.IntegerField(allow_null=True)
     from_stage = serializers.CharField()
+    copy = PipelineCopySerializer(
+        allow_null=True,
+        help_text="A rerun from a stage: its first stage's copy of the earlier run's directory; null otherwise.",
+    )
     mlflow_run_id = serializers.CharField(help_text="The parent run of its stages' MLflow runs.")
     stages = PipelineStageSerializer(many=True)
     cost = serializers.FloatField(help_text="What this run spent (reused stages not counted).")
@@ -171,7 +204,9 @@ class PipelineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         return Response({**run_json(submitted.run), "warnings": submitted.warnings}, status=status.HTTP_201_CREATED)
 
     def replay(self, key: str, document: dict) -> Response | None:
-        run = PipelineRun.objects.filter(submitted_by=self.request.user, idempotency_key=key).first()
+        user = self.request.user
+        mine = PipelineRun.objects.filter(submitted_by=user, idempotency_key=key)
+        run = held_by_key(mine, PipelineRun.objects.visible_to(user))
         if run is None:
             return None
         if document.get("project") != run.project.slug or pipelines.without_secrets(
@@ -195,11 +230,13 @@ class PipelineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         run = self.get_queryset().get(pk=run.pk)
         return Response({**run_json(run), "cancelled_stages": cancelled})
 
-    @extend_schema(request=RERUN, responses={201: PipelineRunSerializer})
+    @extend_schema(request=RERUN, responses={201: PipelineRunSerializer, 409: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
     def rerun(self, request, pk=None):
-        """Run it again: every stage, or {"from_stage": "evaluate"}: that stage and every stage
-        downstream of it; the others' jobs are reused and the new directory is a copy of this run's."""
+        """Run it again once every stage ended (409 before, naming the stage still going): every
+        stage, or {"from_stage": "evaluate"}: that stage and every stage downstream of it; the
+        others' jobs are reused and the new directory is a copy of this run's, made by the first
+        stage's attempt before its command (`copy` shows how far it got)."""
         run = self.get_object()
         body = request.data if isinstance(request.data, dict) else {}
         from_stage = body.get("from_stage") or ""

@@ -1,6 +1,8 @@
 """`/api/v1/sweeps/`: create a sweep from its file's content (JSON), list them, read one with
 its runs ranked by objective (jobs/sweeps.py). The same file again returns the first sweep
-(200, Idempotent-Replayed) and creates nothing."""
+(200, Idempotent-Replayed) and creates nothing, to a caller who may still see it (409 naming
+nothing otherwise: jobs/submission.py held_by_key). A sweep whose token is revoked, or whose
+submitter was deactivated or left the project, submits no more variants: `stopped_reason`."""
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema

@@ -15,6 +15,7 @@ from jobs.api.resultshape import ResultSerializer
 from jobs.api.serializers import AttemptSerializer, JobSerializer, JobSubmitSerializer
 from jobs.models import ACTIVE_ATTEMPT_STATES, Attempt, Job, JobState, priority_classes
 from jobs.scheduler import queue_report
+from jobs.submission import IdempotencyConflict, held_by_key
 from portal.inputs import InputError, whole_number
 from portal.models import Project, Role
 
@@ -25,11 +26,6 @@ IDEMPOTENCY_HEADER = OpenApiParameter(
     description="A retried submit with the same key returns the first job (200) instead of creating another.",
 )
 REASON = inline_serializer("Reason", {"reason": serializers.CharField(required=False, allow_blank=True)})
-
-
-class IdempotencyConflict(APIException):
-    status_code = status.HTTP_409_CONFLICT
-    default_code = "idempotency_conflict"
 
 
 class AlreadyEnded(APIException):
@@ -103,7 +99,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return Response(body, status=status.HTTP_201_CREATED)
 
     def replay(self, key: str, data: dict) -> Response | None:
-        job = Job.objects.filter(submitted_by=self.request.user, idempotency_key=key).first()
+        user = self.request.user
+        job = held_by_key(Job.objects.filter(submitted_by=user, idempotency_key=key), Job.objects.visible_to(user))
         if job is None:
             return None
         if differs := replay_differences(job, data):

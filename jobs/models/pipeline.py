@@ -3,6 +3,11 @@
 A stage is an ordinary job, made by `submit_job` with `depends_on` on the jobs of the stages
 it needs; the run only names them and holds what they share: parameters, one directory and
 a parent MLflow run. Its state is read from its stages' jobs, never stored twice.
+
+A rerun from a stage starts its directory as a copy of the earlier run's, made on the node by
+the first stage's attempt before its command, as that stage's uid (agent/pipelinecopy.py); the
+run row only shows how far that copy got (`copy_*`). `PipelineUid` records every uid a stage
+of the run ran as: root shares files in the run's directory only when one of them owns them.
 """
 
 from django.conf import settings
@@ -33,6 +38,19 @@ def pipeline_state(job_states: list[str]) -> str:
     return PipelineState.CANCELLED
 
 
+class CopyState(models.TextChoices):
+    """How far a rerun's copy of the earlier run's directory got (blank: the run copies nothing)."""
+
+    WAITING = "waiting", "Waiting for its first stage"
+    COPYING = "copying", "Copying"
+    DONE = "done", "Copied"
+    FAILED = "failed", "Failed"
+
+    @property
+    def colour(self) -> str:
+        return {"waiting": "grey", "copying": "blue", "done": "green", "failed": "red"}[self.value]
+
+
 class PipelineRunQuerySet(models.QuerySet):
     def visible_to(self, user) -> "PipelineRunQuerySet":
         return self.filter(project__in=Project.objects.visible_to(user))
@@ -51,6 +69,10 @@ class PipelineRun(models.Model):
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     mlflow_experiment_id = models.CharField(max_length=64, blank=True)
     mlflow_run_id = models.CharField(max_length=64, blank=True, help_text="The parent run of the stages' runs.")
+    copy_state = models.CharField(max_length=16, choices=CopyState.choices, blank=True)
+    copy_bytes = models.BigIntegerField(default=0, help_text="Bytes of the earlier run's directory copied so far.")
+    copy_total = models.BigIntegerField(default=0, help_text="Bytes the copy found to copy (its first scan).")
+    copy_reason = models.CharField(max_length=500, blank=True, help_text="Why the copy failed, or what it left out.")
 
     objects = PipelineRunQuerySet.as_manager()
 
@@ -73,6 +95,39 @@ class PipelineRun(models.Model):
     @property
     def state(self) -> str:
         return pipeline_state([stage.job.state for stage in self.ordered_stages()])
+
+    # The copy's progress, written by the agent that copies. Each is one conditional update:
+    # a retried attempt begins again from waiting, copying or failed, never from done.
+    def copy_began(self, total: int) -> bool:
+        again = [CopyState.WAITING, CopyState.COPYING, CopyState.FAILED]
+        fields = {"copy_state": CopyState.COPYING, "copy_bytes": 0, "copy_total": total, "copy_reason": ""}
+        return PipelineRun.objects.filter(pk=self.pk, copy_state__in=again).update(**fields) == 1
+
+    def copy_progressed(self, copied: int) -> None:
+        PipelineRun.objects.filter(pk=self.pk, copy_state=CopyState.COPYING).update(copy_bytes=copied)
+
+    def copy_ended(self, done: bool, copied: int, reason: str = "") -> bool:
+        state = CopyState.DONE if done else CopyState.FAILED
+        fields = {"copy_state": state, "copy_bytes": copied, "copy_reason": reason[:500]}
+        again = [CopyState.WAITING, CopyState.COPYING, CopyState.FAILED]
+        return PipelineRun.objects.filter(pk=self.pk, copy_state__in=again).update(**fields) == 1
+
+    def record_uid(self, uid: int) -> None:
+        """A stage of this run runs as `uid` on some node (one row per uid, whoever writes first)."""
+        PipelineUid.objects.bulk_create([PipelineUid(run=self, uid=uid)], ignore_conflicts=True)
+
+
+class PipelineUid(models.Model):
+    """A uid a stage of the run ran as: what the files in its directory may be owned by."""
+
+    run = models.ForeignKey(PipelineRun, on_delete=models.CASCADE, related_name="uids")
+    uid = models.PositiveIntegerField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "uid"], name="pipeline_uid_unique")]
+
+    def __str__(self) -> str:
+        return f"uid {self.uid} of pipeline run {self.run_id}"
 
 
 class PipelineStage(models.Model):
