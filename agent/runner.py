@@ -385,6 +385,8 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
         # MLFLOW_*; the job's own env may override them. Begun during the preflight when there was one.
         env.update(self.tracking.result() if self.tracking is not None else tracking.job_env(job, attempt))
+        if tracking.enabled() and (left_out := tracking.left_out(job)):
+            self.system(left_out)
         if self.world_size > 1:  # the interface this node's ranks use; the job's own env may override it
             env.update(network.rank_network_env(self.node.network_interface))
         env.update({str(k): str(v) for k, v in job.env.items()})

@@ -11,6 +11,9 @@ and shown on its page. On a database store both writes are Hangar's own, one
 transaction each on MLflow's tables (`create_run`, `update_run`); a tracking
 server gets MLflow's client calls.
 
+A job's processes never get the store: they reach MLflow through Hangar's tracking proxy
+(jobs/trackingproxy.py) with a credential of their attempt's, which writes only the job's run.
+
 Named tracking.py, not mlflow.py, so it does not shadow the mlflow package.
 """
 
@@ -19,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -33,6 +37,7 @@ from fleet.models import NODE_QUEUE_PREFIX
 from jobs.models import FINAL_JOB_STATES, Job, PipelineRun
 from portal import statements
 from portal.celery import freeze_what_is_loaded
+from portal.models import hash_token
 
 log = logging.getLogger("hangar.tracking")
 
@@ -234,7 +239,10 @@ def run_tags(job: Job, attempt) -> dict[str, str]:
 
 
 def job_env(job: Job, attempt) -> dict[str, str]:
-    """MLFLOW_* variables for an attempt's processes; empty (and the reason kept) when MLflow fails."""
+    """MLFLOW_* variables for an attempt's processes: Hangar's tracking proxy, a credential of
+    this attempt's for it, the job's run and experiment. Never the store's URI: with it a job
+    could write any run (and a sandboxed job cannot open the embedded one). Empty when MLflow
+    fails (the reason kept on the job) or the job cannot reach the proxy (`left_out`)."""
     if not enabled():
         return {}
     try:
@@ -253,11 +261,42 @@ def job_env(job: Job, attempt) -> dict[str, str]:
     except Exception as exc:  # MLflow down or misconfigured: the job runs without tracking
         _record_error(job.pk, exc)
         return {}
+    # The run is made all the same: metrics the agent reads from the job's output go to it.
+    if left_out(job) or (credential := issue_credential(attempt)) is None:
+        return {}
     return {
-        "MLFLOW_TRACKING_URI": settings.MLFLOW_TRACKING_URI,
+        "MLFLOW_TRACKING_URI": settings.HANGAR_TRACKING_PROXY_URL,
+        "MLFLOW_TRACKING_TOKEN": credential,
         "MLFLOW_EXPERIMENT_ID": job.mlflow_experiment_id,
         "MLFLOW_RUN_ID": job.mlflow_run_id,
+        # The client would print a link to the proxy's address at the run's end, where no UI is
+        # served (the job's page links to the run, in MLflow's UI when HANGAR_MLFLOW_UI_URL is set).
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
     }
+
+
+CREDENTIAL_PREFIX = "hgm_"
+
+
+def left_out(job: Job) -> str:
+    """Why a job's processes get no MLflow variables though its run is made ('' when they get
+    them): a project whose network is `none` runs its jobs with loopback only, which does not
+    reach the web tier. The agent says it once in the attempt's log."""
+    if getattr(job.project, "network", "host") == "none":
+        return (
+            "MLflow: this project's network is `none`, so its jobs cannot reach Hangar's tracking proxy: "
+            "no MLFLOW_* variables are set (metrics printed to the log are still read into the job's run "
+            "when the job has metrics_from_log)"
+        )
+    return ""
+
+
+def issue_credential(attempt) -> str | None:
+    """A new credential for one rank of an attempt: `hgm_<attempt id>_<secret>`. Only its
+    SHA-256 is stored, on the attempt (a rank each); the proxy finds the attempt by the id and
+    checks the digest. None when the attempt has ended meanwhile."""
+    raw = f"{CREDENTIAL_PREFIX}{attempt.pk}_{secrets.token_urlsafe(32)}"
+    return raw if attempt.add_tracking_digest(hash_token(raw)) else None
 
 
 @statements.update

@@ -84,6 +84,15 @@ def shared_state_problems() -> list[tuple[str, str]]:
                 "database for every host (or HANGAR_MLFLOW=false)",
             )
         )
+    if settings.HANGAR_MLFLOW and is_loopback(urlsplit(settings.HANGAR_TRACKING_PROXY_URL).hostname or ""):
+        problems.append(
+            (
+                "HANGAR_TRACKING_PROXY_URL",
+                f"{where}, but jobs would reach MLflow's tracking proxy at {settings.HANGAR_TRACKING_PROXY_URL}, "
+                "this host's loopback. Set HANGAR_TRACKING_PROXY_URL (or HANGAR_PUBLIC_URL) to the portal's address "
+                "as the GPU hosts reach it",
+            )
+        )
     return problems
 
 

@@ -11,6 +11,7 @@ import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -634,10 +635,31 @@ HANGAR_BURN_IN_PYTHON = env_str("HANGAR_BURN_IN_PYTHON")
 MLFLOW_TRACKING_URI = env_str("MLFLOW_TRACKING_URI", f"sqlite:///{(DATA_DIR / 'mlflow.db').as_posix()}")
 HANGAR_MLFLOW = env_bool("HANGAR_MLFLOW", True)
 HANGAR_MLFLOW_UI_URL = env_str("HANGAR_MLFLOW_UI_URL").rstrip("/")
+
+
+def local_web_url() -> str:
+    """The web tier as a process on this host reaches it (`manage.py up`'s HANGAR_HOST and HANGAR_PORT)."""
+    host = env_str("HANGAR_HOST", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{env_int('HANGAR_PORT', 8000, minimum=1)}"
+
+
+# Jobs reach MLflow only through Hangar's tracking proxy (jobs/trackingproxy.py), at this URL as a
+# job's node reaches the web tier: HANGAR_PUBLIC_URL's when set (nodes on other hosts), else this
+# host's. Jobs never get MLFLOW_TRACKING_URI's store or server.
+HANGAR_TRACKING_PROXY_URL = env_str(
+    "HANGAR_TRACKING_PROXY_URL", (env_str("HANGAR_PUBLIC_URL") or local_web_url()).rstrip("/") + "/api/mlflow"
+).rstrip("/")
 # MLflow's client reports usage to its makers' servers from a thread `import mlflow` starts
 # (mlflow/telemetry). Hangar is self-hosted and its processes say nothing outside; an operator
 # who wants it sets MLFLOW_DISABLE_TELEMETRY=false. (Jobs do not inherit this environment.)
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# Jobs on other hosts call the web tier by the proxy's host name: it answers to it, unless the
+# operator lists the hosts it answers to.
+if "HANGAR_ALLOWED_HOSTS" not in os.environ and "HANGAR_TRACKING_PROXY_URL" in os.environ:
+    ALLOWED_HOSTS.append(urlsplit(HANGAR_TRACKING_PROXY_URL).hostname or "localhost")
+# Nor does a run's end, written to a tracking server, print a link to it (and read the run for it).
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 LOGGING = {
     "version": 1,

@@ -32,6 +32,7 @@ urlpatterns = [
     path("costs/", include("jobs.urls_costs")),
     path("notifications/", include("jobs.urls_notify")),
     path("api/v1/", include(api_v1)),
+    path("api/mlflow/", include("jobs.urls_tracking")),  # jobs reach MLflow through it (jobs/trackingproxy.py)
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # The split view serves its start-up code as a script of its own: no inline script (CSP).
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.livestack import BASE_DIR, POSTGRES_ADMIN_URL, UNSANDBOXED, LiveStack, ServicesDatabase, die_with_parent
+from tests.livestack import BASE_DIR, POSTGRES_ADMIN_URL, LiveStack, ServicesDatabase, die_with_parent
 
 pytestmark = [
     pytest.mark.e2e,
@@ -225,7 +225,6 @@ def fleet():
 
     try:
         hosts.build()
-        forwarder = Forwarder(BRIDGE_IP, FORWARDED_PORTS)
         with services as service_env, psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'CREATE DATABASE "{mlflow_db}"')
             mlflow_url = POSTGRES_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://").rsplit("/", 1)[0]
@@ -235,13 +234,16 @@ def fleet():
             }
             env = {
                 **service_env,
-                **UNSANDBOXED,
                 **shared,
                 "HANGAR_RENDEZVOUS_SECONDS": "4",
                 "HANGAR_LEASE_SECONDS": "10",
                 "HANGAR_NODE_OFFLINE_SECONDS": "10",
             }
-            stack = LiveStack(env=env, local_agent=False).start(timeout=120)
+            stack = LiveStack(env=env, local_agent=False)
+            # The web tier too: jobs on the GPU hosts log to MLflow through its tracking proxy.
+            forwarder = Forwarder(BRIDGE_IP, (*FORWARDED_PORTS, stack.port))
+            stack.env["HANGAR_TRACKING_PROXY_URL"] = f"http://{BRIDGE_IP}:{stack.port}/api/mlflow"
+            stack.start(timeout=120)
             fleet = Fleet(stack, hosts, shared)
             for host in HOSTS:
                 fleet.start(host)
@@ -316,7 +318,8 @@ def test_secrets_and_mlflow_work_on_the_second_host_and_an_agent_without_the_sha
         )
         job = fleet.stack.submit([sys.executable, "-c", script], secret_env={"API_TOKEN": "tok-123456"})
         done = fleet.stack.wait_for(job["id"], ("succeeded", "failed"), timeout=120)
-        assert done["state"] == "succeeded", (done["attempts"][-1]["reason"], fleet.lines(job["id"]))
+        texts = [line["text"] for line in fleet.lines(job["id"])]
+        assert done["state"] == "succeeded", (done["attempts"][-1]["reason"], "\n".join(texts))
         assert done["attempts"][-1]["node"] == "gpu-b"
         assert any(line["text"] == "logged from gpu-b" for line in fleet.lines(job["id"]))
         runs = fleet.stack.api("GET", f"/api/v1/jobs/{job['id']}/").json()

@@ -32,8 +32,10 @@ def test_per_host_defaults_are_refused_on_a_multi_host_fleet_naming_the_setting(
     settings.CELERY_BROKER_URL = REMOTE_BROKER
     settings.SECRET_KEY_GENERATED, settings.HANGAR_SECRETS_KEY = True, []
     settings.HANGAR_MLFLOW, settings.MLFLOW_TRACKING_URI = True, "sqlite:////var/lib/hangar/mlflow.db"
+    settings.HANGAR_TRACKING_PROXY_URL = "http://127.0.0.1:8000/api/mlflow"  # the default: jobs on other hosts miss it
     problems = dict(multihost.shared_state_problems())
-    assert set(problems) == {"HANGAR_SECRET_KEY", "MLFLOW_TRACKING_URI"}
+    assert set(problems) == {"HANGAR_SECRET_KEY", "MLFLOW_TRACKING_URI", "HANGAR_TRACKING_PROXY_URL"}
+    assert "this host's loopback" in problems["HANGAR_TRACKING_PROXY_URL"]
     assert "10.99.0.1" in problems["HANGAR_SECRET_KEY"] and "same value on every host" in problems["HANGAR_SECRET_KEY"]
 
     with pytest.raises(SystemCheckError, match="hangar.E101"):
@@ -43,6 +45,7 @@ def test_per_host_defaults_are_refused_on_a_multi_host_fleet_naming_the_setting(
 
     settings.SECRET_KEY_GENERATED = False  # HANGAR_SECRET_KEY given
     settings.MLFLOW_TRACKING_URI = "postgresql://mlflow@10.99.0.1/mlflow"
+    settings.HANGAR_TRACKING_PROXY_URL = "http://10.99.0.1:8000/api/mlflow"
     assert multihost.shared_state_problems() == []
 
 

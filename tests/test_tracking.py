@@ -15,6 +15,7 @@ from django.utils import timezone
 from agent.runner import Runner
 from jobs import reproduce, settling, tracking
 from jobs.models import Environment, Job, JobCost
+from portal.models import hash_token
 from tests.factories import api_client, make_attempt, make_job, make_node, services_database
 from tests.livestack import BASE_DIR
 
@@ -46,10 +47,15 @@ def runner_env(job, node) -> dict:
     return Runner(attempt).job_env()
 
 
-def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_store, job, node):
+def test_the_first_attempt_gets_a_tagged_run_in_the_projects_experiment(mlflow_store, settings, job, node):
     env = runner_env(job, node)
     job.refresh_from_db()
-    assert env["MLFLOW_TRACKING_URI"] == mlflow_store
+    # The job reaches its run through Hangar's tracking proxy with a credential of its attempt's,
+    # never through the store: only the credential's digest is kept.
+    assert env["MLFLOW_TRACKING_URI"] == settings.HANGAR_TRACKING_PROXY_URL != mlflow_store
+    assert mlflow_store not in env.values()
+    assert env["MLFLOW_TRACKING_TOKEN"].startswith(f"hgm_{job.attempts.get().pk}_")
+    assert job.attempts.get().tracking_digests == [hash_token(env["MLFLOW_TRACKING_TOKEN"])]
     assert env["MLFLOW_RUN_ID"] == job.mlflow_run_id and env["MLFLOW_EXPERIMENT_ID"] == job.mlflow_experiment_id
     run = tracking.client().get_run(job.mlflow_run_id)
     assert tracking.client().get_experiment(run.info.experiment_id).name == "hangar/vision"
@@ -182,6 +188,26 @@ def test_a_later_attempt_tags_the_same_run_which_runs_again(mlflow_store, job, n
     run = tracking.client().get_run(first["MLFLOW_RUN_ID"])
     assert run.data.tags["hangar.attempt"] == str(second.number) and run.data.tags["hangar.nodes"] == "node-b"
     assert run.info.status == "RUNNING" and run.info.end_time is None
+    assert env["MLFLOW_TRACKING_TOKEN"] != first["MLFLOW_TRACKING_TOKEN"]  # each attempt has its own
+
+
+def test_a_project_whose_jobs_have_no_network_gets_a_run_but_no_mlflow_variables(mlflow_store, job, node):
+    # Loopback only: the proxy is out of reach, so nothing that would fail at the first log_metric.
+    type(job.project).objects.filter(pk=job.project_id).update(network="none")
+    job.project.refresh_from_db()
+    env = runner_env(job, node)
+    job.refresh_from_db()
+    assert not any(name.startswith("MLFLOW_") for name in env) and job.mlflow_run_id
+    assert "network is `none`" in tracking.left_out(job) and not job.attempts.get().tracking_digests
+
+
+def test_every_rank_of_an_attempt_gets_its_own_credential_and_both_work(mlflow_store, job, node):
+    attempt = make_attempt(job, node, "preflight", started_at=timezone.now())
+    first, second = tracking.issue_credential(attempt), tracking.issue_credential(attempt)
+    attempt.refresh_from_db()
+    assert first != second and attempt.tracking_digests == [hash_token(first), hash_token(second)]
+    attempt.finish("failed", "infra", "node lost")
+    assert tracking.issue_credential(attempt) is None
 
 
 def test_an_experiment_deleted_in_mlflow_is_said_on_the_job_and_restored_by_the_next(mlflow_store, job, node):

@@ -75,6 +75,9 @@ class Attempt(models.Model):
     environment = models.JSONField(
         default=dict, blank=True, help_text="Its cached environment on rank 0's node: hash, python, packages, cached."
     )
+    tracking_digests = models.JSONField(
+        default=list, blank=True, help_text="SHA-256 of each rank's MLflow credential (jobs/tracking.py)."
+    )
 
     class Meta:
         # By the job's id, not "job": ordering through the relation would join the job's table
@@ -157,6 +160,22 @@ class Attempt(models.Model):
             elif not ok:
                 ok = Attempt.objects.filter(pk=self.pk, state=AttemptState.RUNNING).exists()
         return bool(ok)
+
+    def add_tracking_digest(self, digest: str) -> bool:
+        """Record the digest of an MLflow credential handed to one of its ranks, under the row's
+        lock: every rank of a multi-node attempt adds its own. False once the attempt has ended."""
+        with transaction.atomic():
+            row = (
+                Attempt.objects.select_for_update(no_key=True)
+                .filter(pk=self.pk, state__in=ACTIVE_ATTEMPT_STATES)
+                .values("tracking_digests")
+                .first()
+            )
+            if row is None:
+                return False
+            self.tracking_digests = [*row["tracking_digests"], digest]
+            Attempt.objects.filter(pk=self.pk).update(tracking_digests=self.tracking_digests)
+        return True
 
     def rank_succeeded(self, rank: int) -> bool:
         """Record that one rank exited 0; True when every rank has, so the attempt succeeded."""
