@@ -7,18 +7,23 @@ the rank's process group: the runner's SIGTERM, grace, SIGKILL of the group (can
 preemption, max runtime, the attempt ended by another rank) ends every Ray process, and their
 output is the rank's output, in the job's log under its rank.
 
-Rank 0's process is a small wrapper (`HEAD_WRAPPER`, run by the environment's python): it
-starts the head, waits for the agent's word that every node joined, then execs the driver,
-so the attempt's outcome is the driver's exit code. The agent decides the join
-(`join_decision` over what `JOIN_WATCHER` reads from the GCS) and records it as the
-`ray-join` check with its evidence. The watcher runs the job's own ray, so it runs as the
-job does (its uid, its sandbox: `confine`), and what it reports is the job's word: a cluster
+Each rank's process is a small wrapper run by the environment's python. It first checks the
+ray that `ray start` would import (`RAY_CHECK`): one older than RAY_MINIMUM ignores
+RAY_AUTH_MODE=token, and its cluster would take any other job's connection on the node, so the
+rank ends at once with exit code 126 (127: no ray at all), the job's failure, saying what to ask
+for. Rank 0's wrapper (`HEAD_WRAPPER`) then starts the head, waits for the agent's word that
+every node joined, and execs the driver, so the attempt's outcome is the driver's exit code.
+The agent decides the join (`join_decision` over what `JOIN_WATCHER` reads from the GCS)
+and records it as the `ray-join` check with its evidence. The watcher runs the job's own ray,
+so it runs as the job does (its uid, its sandbox: `confine`), and what it reports is the job's word: a cluster
 that does not form fails the attempt, and makes no node a suspect (the nodes' reachability
 is the rendezvous check's, which Hangar's own agents make before Ray starts).
 
 Ports: each attempt has a block of PORT_BLOCK ports from HANGAR_RAY_PORT_BASE, chosen by its
-MASTER_PORT (attempt id mod SLOTS): the GCS at the block's start, then RANK_PORTS for each rank
-(so two ranks on one host never meet). Workers bind ports the kernel picks.
+MASTER_PORT (attempt id mod SLOTS): the GCS at the block's start and the dashboard's (which
+Ray starts without its web UI) after it, then RANK_PORTS for each rank (so two ranks on one
+host never meet). Workers bind ports the kernel picks. Every one of them asks for the
+attempt's token (tests/test_e2e_ray.py tries them from another job).
 """
 
 import hashlib
@@ -28,10 +33,14 @@ import os
 import re
 import select
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from jobs.jobspec import RAY_MINIMUM
 
 PORT_BLOCK = 100
 SLOTS = 100
@@ -41,11 +50,66 @@ RANK_SLOTS = (PORT_BLOCK - RANK_BASE) // RANK_PORTS  # 15: ranks past it reuse a
 GO_FILE = ".hangar-ray-go"
 STATUS_SECONDS = 15.0
 
+TOO_OLD, NO_RAY = 126, 127  # RAY_CHECK's exit codes: the runner counts both as the job's failure
+
+# Every rank first: the version of the ray that `ray start` imports (a console script: the
+# working directory is not on its path), read from its _version.py without running it. Ray
+# before RAY_MINIMUM (argv[1]) ignores the token; a pre-release of the minimum counts as older.
+RAY_CHECK = """\
+import importlib.util, os, re, sys
+sys.path = [p for p in sys.path if p not in ("", os.getcwd())]
+
+def ray_version():
+    spec = importlib.util.find_spec("ray")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, "_version.py")) as f:
+                found = re.search(r'^version = "([^"]+)"', f.read(), re.M)
+        except OSError:
+            continue
+        return (found.group(1) if found else "unknown"), folder
+    return ("unreadable", folders[0]) if folders else (None, None)
+
+def older(version, minimum):
+    found = re.match(r"(\\d+(?:\\.\\d+)*)(.*)$", version)
+    if not found:
+        return True
+    have, need = [int(n) for n in found.group(1).split(".")], [int(n) for n in minimum.split(".")]
+    width = max(len(have), len(need))
+    have, need = have + [0] * (width - len(have)), need + [0] * (width - len(need))
+    return have < need or (have == need and re.match(r"[.-]?(a|b|c|rc|alpha|beta|pre|preview|dev)", found.group(2)))
+
+minimum = sys.argv[1]
+version, where = ray_version()
+if version is None:
+    print(f"no ray in this job's environment ({sys.executable}): launcher ray needs ray>={minimum}; add it to "
+          "requirements", file=sys.stderr, flush=True)
+    sys.exit(127)
+if older(version, minimum):
+    print(f"ray {version} in this job's environment ({where}) is older than {minimum}, the first that enforces "
+          "RAY_AUTH_MODE=token: its cluster would take any other job's connection on this node, so it is not "
+          f"started; ask for ray>={minimum} in requirements", file=sys.stderr, flush=True)
+    sys.exit(126)
+"""
+
+# Ranks >= 1: their node, once the check passed.
+NODE_WRAPPER = (
+    RAY_CHECK
+    + """\
+import json
+node = json.loads(sys.argv[2])
+os.execvp(node[0], node)
+"""
+)
+
 # Rank 0: start the head, wait for the go file (the agent writes it once every node joined),
 # then become the driver. A head that dies first ends the rank with its exit code.
-HEAD_WRAPPER = """\
-import json, os, subprocess, sys, time
-go, head_argv, driver = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+HEAD_WRAPPER = (
+    RAY_CHECK
+    + """\
+import json, subprocess, time
+go, head_argv, driver = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4:]
 head = subprocess.Popen(head_argv)
 while not os.path.exists(go):
     if head.poll() is not None:
@@ -55,11 +119,13 @@ while not os.path.exists(go):
 os.remove(go)
 os.execvp(driver[0], driver)
 """
+)
 
 
 @dataclass(frozen=True)
 class Ports:
     gcs: int
+    dashboard: int
     node_manager: int
     object_manager: int
     dashboard_agent_listen: int
@@ -72,7 +138,7 @@ def ports(master_port: int, master_base: int, ray_base: int, rank: int) -> Ports
     """The Ray ports of one rank of the attempt whose MASTER_PORT is `master_port`."""
     block = ray_base + (master_port - master_base) % SLOTS * PORT_BLOCK
     own = block + RANK_BASE + rank % RANK_SLOTS * RANK_PORTS
-    return Ports(block, *range(own, own + RANK_PORTS))
+    return Ports(block, block + 1, *range(own, own + RANK_PORTS))
 
 
 def port_range(ray_base: int) -> tuple[int, int]:
@@ -114,15 +180,26 @@ def start_argv(rank: int, p: Ports, head_addr: str, node_addr: str, gpus: int, c
         f"--temp-dir={tmp}",
     ]
     if rank == 0:
-        return [*argv, "--head", f"--port={p.gcs}", "--include-dashboard=false"]
+        # Ray starts a dashboard process without the web UI anyway: on the attempt's own port, not 8265.
+        return [*argv, "--head", f"--port={p.gcs}", "--include-dashboard=false", f"--dashboard-port={p.dashboard}"]
     return [*argv, f"--address={head_addr}:{p.gcs}"]
 
 
 def rank_argv(rank: int, start: list[str], command: list[str]) -> list[str]:
-    """What a rank's process runs: rank 0 the head wrapper and then the driver; others their node."""
+    """What a rank's process runs: the ray check, then on rank 0 the head and the driver, on
+    the others their node."""
     if rank != 0:
-        return start
-    return ["python", "-c", HEAD_WRAPPER, GO_FILE, json.dumps(start), *command]
+        return ["python", "-c", NODE_WRAPPER, RAY_MINIMUM, json.dumps(start)]
+    return ["python", "-c", HEAD_WRAPPER, RAY_MINIMUM, GO_FILE, json.dumps(start), *command]
+
+
+def exit_hint(code: int) -> str:
+    """What a rank's exit code says of its environment (the check's message is in its output)."""
+    if code == TOO_OLD:
+        return f": its ray is older than {RAY_MINIMUM} and ignores RAY_AUTH_MODE=token; ask for ray>={RAY_MINIMUM}"
+    if code == NO_RAY:
+        return f": no ray in its environment; ask for ray>={RAY_MINIMUM} in requirements"
+    return ""
 
 
 def ray_env(token: str, head_addr: str, p: Ports) -> dict[str, str]:
@@ -211,6 +288,16 @@ def join_decision(seen: int, expected: int, elapsed: float, limit: float, last_e
     return Join(True, False, f"{missing} within {limit:g} s{why}")
 
 
+def signal_go(workdir: Path) -> None:
+    """Let the driver start: the go file, made by root in the job's own directory, so through its
+    descriptor and never through a link the job put in the file's place (O_NOFOLLOW: refused)."""
+    directory = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.close(os.open(GO_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=directory))
+    finally:
+        os.close(directory)
+
+
 def clean_up(workdir: Path, tmp: str) -> None:
     """After the rank's process group is gone: its go file, and Ray's session directory (on the
     host when the job ran unsandboxed; a sandbox's /tmp went with it)."""
@@ -293,3 +380,47 @@ def status(
         tail = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()][-1:]
         return "", f"exit code {done.returncode}: {tail[0][:300] if tail else 'no output'}"
     return done.stdout, ""
+
+
+# --- the head refuses a client without the token ------------------------------------------------
+
+UNAUTHENTICATED = 16  # gRPC's status for a call without valid credentials
+GCS_CALL = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
+
+
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def grpc_request(host: str, port: int, path: str) -> bytes:
+    """One unary call with an empty message and no credentials, as HTTP/2 bytes: the preface,
+    SETTINGS, HEADERS (HPACK literals, no Huffman coding) and the message."""
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", f"{host}:{port}")]
+    headers += [("content-type", "application/grpc"), ("te", "trailers")]
+    block = b"".join(b"\0" + bytes([len(k)]) + k.encode() + bytes([len(v)]) + v.encode() for k, v in headers)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0)
+    return preface + h2_frame(1, 4, 1, block) + h2_frame(0, 1, 1, b"\0" * 5)
+
+
+GRPC_STATUS = re.compile(rb"grpc-status[\x00-\x7f](\d+)")
+
+
+def tokenless_status(host: str, port: int, timeout: float = 5.0) -> tuple[int | None, str]:
+    """(grpc-status, evidence) of a call to the GCS at host:port without the token: the agent's
+    own look at whether the cluster is closed (UNAUTHENTICATED), whatever the job's ray says of
+    itself. gRPC's C core writes its trailers as plain literals, which is all this reads."""
+    got, deadline = b"", time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(grpc_request(host, port, GCS_CALL))
+            while not GRPC_STATUS.search(got) and time.monotonic() < deadline and len(got) < 1 << 20:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+    except OSError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    found = GRPC_STATUS.search(got)
+    if found is None:
+        return None, f"no grpc-status in {len(got)} bytes"
+    return int(found.group(1)), f"grpc-status {int(found.group(1))}"

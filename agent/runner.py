@@ -606,7 +606,7 @@ class Runner:
             # the job's; unless its environment cannot run python or ray at all (126, 127), which no
             # other node would change.
             what = f"the Ray node of rank {self.rank}" if self.rank > 0 else "the Ray head (before the driver started)"
-            reason = f"{what} {reason}"
+            reason = f"{what} {reason}{raycluster.exit_hint(code)}"
             self.system(reason, error=True)
             unrunnable = code in (126, 127)
             return Outcome(AttemptState.FAILED, FailureClass.USER if unrunnable else FailureClass.INFRA, reason), code
@@ -689,6 +689,8 @@ class Runner:
                 if watch is None:  # the head's GCS first: a client made before it listens waits long
                     reached, evidence = rendezvous_reachable(self.master_addr(), self.ray_ports().gcs, 1.0)
                     seen, error = 0, "" if reached else evidence
+                    if reached and not self.ray_closed():
+                        return
                     if reached:
                         watch = raycluster.Watch(self.ray_bin(), env, address, self.as_job)
                     else:
@@ -704,6 +706,18 @@ class Runner:
                 watch.close()
         self.ray_joined(decision, address, ranks, elapsed)
 
+    def ray_closed(self) -> bool:
+        """Unless the cluster answers a call without its token (the job's own version check can be
+        fooled by the job; this call cannot): then the attempt stops as the user's, before its driver."""
+        status, evidence = raycluster.tokenless_status(self.master_addr(), self.ray_ports().gcs)
+        if status != 0:  # refused (UNAUTHENTICATED), or no answer: the join's own wait decides
+            return True
+        minimum = raycluster.RAY_MINIMUM
+        reason = f"ray: the cluster answered a call without its token ({evidence}); ask for ray>={minimum}"
+        self.system(reason, error=True)
+        self.request_stop(AttemptState.FAILED, FailureClass.USER, reason)
+        return False
+
     def as_job(self, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str], dict]:
         """A helper that runs the job's own code (its environment's python, its ray) runs as this
         rank's process does: the job's uid, in its sandbox (raycluster.Confine)."""
@@ -718,7 +732,7 @@ class Runner:
         result = Result("ray-join", decision.passed, decision.evidence, elapsed * 1000)
         record_checks(self.node, [result], "preflight", self.attempt)
         if decision.passed:
-            (self.workdir() / raycluster.GO_FILE).touch()
+            raycluster.signal_go(self.workdir())
             self.ray_driver_started = True
             self.system(f"ray: {decision.evidence}; starting the driver with RAY_ADDRESS={address}")
             return

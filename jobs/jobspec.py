@@ -11,7 +11,9 @@ import fnmatch
 import re
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 RESERVED_NAMES = {
     "CUDA_VISIBLE_DEVICES": "is set by Hangar for each attempt (the GPUs placed for it)",
@@ -191,6 +193,69 @@ def launcher_problem(launcher: str, environment, requirements: list[str]) -> str
     return f"launcher ray needs ray in the job's environment: add {RAY_EXAMPLE}, or name an environment that has it"
 
 
+# The first Ray that enforces RAY_AUTH_MODE=token on its GCS, raylets, dashboard and agents
+# (Ray's token authentication guide). An older ray ignores the token Hangar gives each attempt:
+# its cluster would take any other job's connection on its nodes.
+RAY_MINIMUM = "2.52.0"
+RAY_FLOOR = f"ray>={RAY_MINIMUM}"
+RAY_FIX = f'ask for "{RAY_FLOOR}" (no marker), or a pin at or above it such as "ray==2.60.0"'
+LOWER_BOUNDS = (">=", ">", "~=", "==", "===")
+
+
+def lower_bound(requirement: Requirement) -> Version | None:
+    """The least version `requirement` allows, where a clause says it (None: unbounded below)."""
+    bounds = []
+    for clause in requirement.specifier:
+        if clause.operator in LOWER_BOUNDS:
+            try:
+                bounds.append(Version(clause.version.removesuffix(".*")))
+            except InvalidVersion:
+                continue
+    return max(bounds, default=None)
+
+
+def ray_version_problem(requirement: Requirement) -> str | None:
+    """Why this ray requirement could install a ray that ignores the token (None: it cannot)."""
+    if requirement.marker is not None:
+        return f"{requirement} installs ray only where its marker holds"
+    bound = lower_bound(requirement)
+    if bound is None or bound < Version(RAY_MINIMUM):
+        return (
+            f"{requirement} allows a ray older than {RAY_MINIMUM}, the first that enforces RAY_AUTH_MODE=token "
+            "(an older ray's cluster takes any other job's connection on its nodes)"
+        )
+    return None
+
+
+def with_floor(requirement: Requirement) -> str:
+    bounded = Requirement(str(requirement))
+    bounded.specifier = SpecifierSet(f">={RAY_MINIMUM}")
+    return str(bounded)
+
+
+def ray_requirements(own: list[str], environment) -> tuple[list[str], tuple[str, str] | None]:
+    """A Ray job's own requirements, an unpinned ray bounded at RAY_MINIMUM; or (field, message)
+    when they or its cached environment's ask for a ray that may be older. uv installs only what
+    every ray requirement allows, so one bounded at the minimum is enough."""
+    theirs = environment.requirements if environment is not None and environment.cached else []
+    found = [(Requirement(text), mine) for mine, texts in ((True, own), (False, theirs)) for text in texts]
+    rays = [(req, mine, ray_version_problem(req)) for req, mine in found if req.name == "ray"]
+    if not rays or any(problem is None for _, _, problem in rays):
+        return own, None
+    loose = [(req, mine, problem) for req, mine, problem in rays if req.specifier or req.marker]
+    if not loose:
+        others = [text for text in own if Requirement(text).name != "ray"]
+        return sorted({*others, *([with_floor(req) for req, mine, _ in rays if mine] or [RAY_FLOOR])}), None
+    _, mine, problem = loose[0]
+    if mine:
+        return own, ("requirements", f"{problem}; {RAY_FIX}")
+    return own, (
+        "environment",
+        f"environment {environment.name}: {problem}; name an environment whose ray is {RAY_MINIMUM} or newer, or "
+        f'none and give "requirements": ["{RAY_FLOOR}"]',
+    )
+
+
 def copy_for(job, spec: dict, user, given) -> dict:
     """A resubmit's or run-again's spec (reproduce.clone_data) as `user` may submit it: by
     another user than the submitter, with only the secret values `user` gives."""
@@ -221,7 +286,11 @@ def check(attrs: dict, user, copy_of=None) -> None:
         raise ValidationError({problem[0]: problem[1]})
     if problem := launcher_problem(attrs.get("launcher") or "", environment, wanted[0]):
         raise ValidationError({"launcher": problem})
-    if attrs.get("launcher") and getattr(attrs["project"], "network", "host") == "none":
+    if attrs.get("launcher") == "ray":
+        attrs["requirements"], problem = ray_requirements(wanted[0], environment)
+        if problem:
+            raise ValidationError({problem[0]: problem[1]})
+    if attrs.get("launcher") == "ray" and getattr(attrs["project"], "network", "host") == "none":
         raise ValidationError(
             {"launcher": f"project {attrs['project'].slug}'s network policy is none: a Ray cluster needs network host"}
         )

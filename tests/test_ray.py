@@ -1,16 +1,22 @@
 """`launcher: ray` (agent/ray.py, jobs/jobspec.py): the ports a Ray job's ranks use, the
-command lines each rank runs, the join check's decision over `ray status`, and what the submit
-refuses (no ray in the environment, a container, an unknown launcher)."""
+command lines each rank runs, the join check's decision over `ray status`, what the submit
+refuses (no ray in the environment, a ray older than the token's minimum, a container, an
+unknown launcher), and the rank's own check of the ray its environment has."""
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from agent import ray
 from hangar import cli
+from jobs import jobspec
 from jobs.models import Environment, Job, Launcher
 from tests.factories import api_client
 from tests.test_submit_validation import MISSING, assert_refused
@@ -47,11 +53,13 @@ HEAD_ONLY = TWO_NODES.replace(" 1 node_3d63efa8b30875d397ced1706aace40324c2b35e2
 def test_each_attempt_has_its_own_block_and_each_rank_its_own_ports():
     a0, a1 = ray.ports(29500 + 7, 29500, 19000, 0), ray.ports(29500 + 7, 29500, 19000, 1)
     assert a0.gcs == a1.gcs == 19000 + 7 * 100  # every rank meets the head on one port
-    own0 = set(vars(a0).values()) - {a0.gcs}
-    own1 = set(vars(a1).values()) - {a1.gcs}
+    assert a0.dashboard == a1.dashboard == a0.gcs + 1  # the head's dashboard: the attempt's, not Ray's 8265
+    own0 = set(vars(a0).values()) - {a0.gcs, a0.dashboard}
+    own1 = set(vars(a1).values()) - {a1.gcs, a1.dashboard}
     assert len(own0) == len(own1) == ray.RANK_PORTS and not own0 & own1  # two ranks on one host never meet
+    assert a0.dashboard not in own0 | own1
     other = ray.ports(29500 + 8, 29500, 19000, 0)
-    assert not set(vars(other).values()) & (own0 | own1 | {a0.gcs})
+    assert not set(vars(other).values()) & (own0 | own1 | {a0.gcs, a0.dashboard})
     # An attempt id mod 1000 past 99 wraps onto the same 100 blocks; every port stays in the range.
     low, high = ray.port_range(19000)
     assert (low, high) == (19000, 28999)
@@ -66,6 +74,7 @@ def test_the_head_and_a_joining_node_start_with_their_ports_gpus_and_cpus():
     head = ray.start_argv(0, ports, "10.0.0.11", "10.0.0.11", 2, 16, "/tmp/hangar-ray-3-0-ab")
     assert head[:4] == ["ray", "start", "--block", "--disable-usage-stats"]
     assert "--head" in head and f"--port={ports.gcs}" in head and "--include-dashboard=false" in head
+    assert f"--dashboard-port={ports.dashboard}" in head
     assert "--num-gpus=2" in head and "--num-cpus=16" in head and "--node-ip-address=10.0.0.11" in head
     assert f"--dashboard-agent-listen-port={ports.dashboard_agent_listen}" in head  # not Ray's fixed 52365
     assert "--temp-dir=/tmp/hangar-ray-3-0-ab" in head
@@ -73,30 +82,88 @@ def test_the_head_and_a_joining_node_start_with_their_ports_gpus_and_cpus():
 
     p1 = ray.ports(29503, 29500, 19000, 1)
     node = ray.start_argv(1, p1, "10.0.0.11", "10.0.0.12", 0, 8, "/tmp/x")
-    assert f"--address=10.0.0.11:{ports.gcs}" in node and "--head" not in node
+    assert f"--address=10.0.0.11:{ports.gcs}" in node and "--head" not in node and "--dashboard-port" not in str(node)
     assert f"--node-manager-port={p1.node_manager}" in node and "--node-ip-address=10.0.0.12" in node
 
 
 def test_rank_zero_runs_the_head_then_the_driver_and_the_others_only_their_node():
     start = ["ray", "start", "--block", "--head"]
     argv = ray.rank_argv(0, start, ["python", "driver.py", "--x"])
-    assert argv[:2] == ["python", "-c"] and argv[2] == ray.HEAD_WRAPPER
-    assert argv[3] == ray.GO_FILE and json.loads(argv[4]) == start and argv[5:] == ["python", "driver.py", "--x"]
-    assert ray.rank_argv(1, start, ["python", "driver.py"]) == start
-    compile(ray.HEAD_WRAPPER, "wrapper", "exec")
+    assert argv[:2] == ["python", "-c"] and argv[2] == ray.HEAD_WRAPPER and argv[3] == jobspec.RAY_MINIMUM
+    assert argv[4] == ray.GO_FILE and json.loads(argv[5]) == start and argv[6:] == ["python", "driver.py", "--x"]
+    node = ray.rank_argv(1, start, ["python", "driver.py"])
+    assert node == ["python", "-c", ray.NODE_WRAPPER, jobspec.RAY_MINIMUM, json.dumps(start)]
+    for wrapper in (ray.HEAD_WRAPPER, ray.NODE_WRAPPER):
+        assert wrapper.startswith(ray.RAY_CHECK)  # every rank checks its ray before starting it
+        compile(wrapper, "wrapper", "exec")
+
+
+def site_with_ray(root: Path, version: str) -> Path:
+    """A folder holding a `ray` package of `version`, its _version.py as Ray's wheels have it."""
+    (root / "ray").mkdir(parents=True)
+    (root / "ray" / "__init__.py").write_text("raise SystemExit('the check must not import ray')\n")
+    (root / "ray" / "_version.py").write_text(f'commit = "0" * 40\nversion = "{version}"\n')
+    return root
+
+
+def run_rank(rank: int, site: Path | None, cwd: Path, head: list[str] | None = None) -> subprocess.CompletedProcess:
+    """A rank's wrapper, run by this interpreter with `site`'s ray; its Ray node a stand-in that says so."""
+    node = head or [sys.executable, "-c", "print('ray node started')"]
+    driver = [sys.executable, "-c", "print('driver')"]
+    argv = [sys.executable, *ray.rank_argv(rank, node, driver)[1:]]
+    env = {"PATH": os.environ["PATH"], **({"PYTHONPATH": str(site)} if site else {})}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("version", ["2.51.1", "2.52.0rc1", "2.9.3", "1.13.0", "2.52.0.dev0", "nightly"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_whose_ray_ignores_the_token_ends_before_starting_it(tmp_path, version, rank):
+    done = run_rank(rank, site_with_ray(tmp_path / "site", version), tmp_path)
+    assert done.returncode == ray.TOO_OLD, done.stderr
+    assert f"ray {version} in this job's environment" in done.stderr and "RAY_AUTH_MODE=token" in done.stderr
+    assert f"ask for ray>={jobspec.RAY_MINIMUM}" in done.stderr
+    assert "ray node started" not in done.stdout and "driver" not in done.stdout
+    assert ray.exit_hint(done.returncode).startswith(f": its ray is older than {jobspec.RAY_MINIMUM}")
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "2.60.0", "3.0.0.dev0", "2.52.0.post1", "2.52", "10.0.0"])
+def test_a_rank_whose_ray_enforces_the_token_starts_its_node(tmp_path, version):
+    done = run_rank(1, site_with_ray(tmp_path / "site", version), tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ray node started\n", "")
+
+
+def test_a_rank_without_ray_ends_saying_what_to_ask_for(tmp_path):
+    done = run_rank(1, None, tmp_path)
+    assert done.returncode == ray.NO_RAY and "no ray in this job's environment" in done.stderr
+    assert f"ray>={jobspec.RAY_MINIMUM}" in done.stderr and ray.exit_hint(ray.NO_RAY)
+
+
+def test_a_ray_whose_version_cannot_be_read_does_not_start(tmp_path):
+    site = site_with_ray(tmp_path / "site", "2.60.0")
+    (site / "ray" / "_version.py").unlink()
+    done = run_rank(1, site, tmp_path)
+    assert done.returncode == ray.TOO_OLD and "ray unreadable in this job's environment" in done.stderr
+
+
+def test_a_ray_folder_in_the_working_directory_is_not_the_ray_that_starts(tmp_path):
+    """`ray start` is a console script: the job's directory is not on its path, so a `ray` folder
+    there (a code snapshot's) is not what would run, and cannot vouch for the environment's."""
+    work = site_with_ray(tmp_path / "work", "9.9.9")
+    old = run_rank(1, site_with_ray(tmp_path / "site", "2.40.0"), work)
+    assert old.returncode == ray.TOO_OLD and "ray 2.40.0" in old.stderr
+    assert run_rank(1, None, work).returncode == ray.NO_RAY
 
 
 def test_the_head_wrapper_execs_the_driver_once_told_and_its_exit_is_the_outcome(tmp_path):
-    import subprocess
-    import sys
-
+    site = site_with_ray(tmp_path / "site", "2.60.0")
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(site)}
     head = [sys.executable, "-c", "import time; time.sleep(60)"]
     (tmp_path / ray.GO_FILE).touch()  # the agent's word: every node joined
     driver = [sys.executable, "-c", "import sys; print('driver'); sys.exit(7)"]
     argv = [sys.executable, *ray.rank_argv(0, head, driver)[1:]]
     out = tmp_path / "out"
     with open(out, "w") as stdout:
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=stdout, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=stdout, start_new_session=True)
     try:
         assert proc.wait(timeout=30) == 7  # the driver's code, while the head still runs in its group
     finally:
@@ -105,8 +172,13 @@ def test_the_head_wrapper_execs_the_driver_once_told_and_its_exit_is_the_outcome
 
     dead_head = [sys.executable, "-c", "import sys; sys.exit(3)"]
     argv = [sys.executable, *ray.rank_argv(0, dead_head, driver)[1:]]
-    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 3 and "before every node joined" in done.stderr and "driver" not in done.stdout
+
+    marker = tmp_path / "head-started"
+    too_old = site_with_ray(tmp_path / "old", "2.51.1")
+    done = run_rank(0, too_old, tmp_path, head=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    assert done.returncode == ray.TOO_OLD and not marker.exists() and "driver" not in done.stdout
 
 
 def test_the_cluster_variables_and_the_token_of_an_attempt():
@@ -173,13 +245,101 @@ def test_a_ray_job_without_ray_is_refused_naming_the_fix(submit):
     assert_refused(submit(launcher="ray", requirements=["ray-lightning"]), "launcher", "needs ray")
 
 
+@pytest.mark.parametrize(
+    "text, bound",
+    [
+        ("ray==2.60.0", "2.60.0"),
+        ("ray>=2.52", "2.52"),
+        ("ray~=2.51", "2.51"),
+        ("ray==2.*", "2"),
+        ("ray>2.51,<3", "2.51"),
+        ("ray<3", None),
+        ("ray!=2.40.0", None),
+        ("ray", None),
+    ],
+)
+def test_a_requirements_lower_bound(text, bound):
+    assert str(jobspec.lower_bound(Requirement(text)) or "") == (bound or "")
+
+
+@pytest.mark.parametrize(
+    "requirement",
+    ["ray==2.51.1", "ray>=2.0", "ray<3", "ray~=2.51", "ray==2.*", "ray>=2.52.0rc1", "ray>2.51", "ray!=2.40"],
+)
+def test_a_ray_job_that_allows_a_ray_older_than_the_tokens_minimum_is_refused_naming_the_fix(submit, requirement):
+    """Ray before 2.52.0 ignores RAY_AUTH_MODE=token: its GCS, raylets and dashboard answer anyone on the node."""
+    message = assert_refused(
+        submit(launcher="ray", requirements=[requirement]),
+        "requirements",
+        f"allows a ray older than {jobspec.RAY_MINIMUM}",
+        "RAY_AUTH_MODE=token",
+        f'ask for "ray>={jobspec.RAY_MINIMUM}"',
+    )
+    assert message.startswith(str(Requirement(requirement)))
+
+
+def test_a_ray_requirement_behind_a_marker_is_refused(submit):
+    assert_refused(
+        submit(launcher="ray", requirements=['ray==2.60.0; python_version < "3.12"']),
+        "requirements",
+        "installs ray only where its marker holds",
+        "(no marker)",
+    )
+
+
+@pytest.mark.parametrize(
+    "requirements",
+    [["ray==2.52.0"], ["ray>=2.52"], ["ray~=2.60"], ["ray==2.60.*"], ["ray[default]==2.60.0"], ["ray<3", "ray>=2.60"]],
+)
+def test_a_ray_job_whose_ray_enforces_the_token_is_accepted_as_asked(submit, requirements):
+    response = submit(launcher="ray", requirements=requirements)
+    assert response.status_code == 201, response.content
+    assert response.json()["requirements"] == sorted(str(Requirement(text)) for text in requirements)
+
+
+@pytest.mark.parametrize(
+    "asked, stored",
+    [
+        (["ray"], ["ray>=2.52.0"]),
+        (["ray[default]", "six"], ["ray[default]>=2.52.0", "six"]),
+        (["ray", "ray[serve]"], ["ray>=2.52.0", "ray[serve]>=2.52.0"]),
+    ],
+)
+def test_an_unpinned_ray_gets_the_tokens_minimum(submit, asked, stored):
+    response = submit(launcher="ray", requirements=asked)
+    assert response.status_code == 201, response.content
+    assert response.json()["requirements"] == stored == Job.objects.get().requirements
+
+
+def test_an_environments_ray_counts_and_an_unpinned_one_gets_the_minimum_in_the_jobs_requirements(submit):
+    Environment.objects.create(name="ray-any", requirements=["ray"], everywhere=True)
+    Environment.objects.create(name="ray-old", requirements=["ray==2.40.0"], everywhere=True)
+    Environment.objects.create(name="ray-new", requirements=["ray==2.60.0"], everywhere=True)
+
+    assert_refused(
+        submit(launcher="ray", environment="ray-old"),
+        "environment",
+        "environment ray-old: ray==2.40.0 allows a ray older than 2.52.0",
+        '"requirements": ["ray>=2.52.0"]',
+    )
+    assert submit(launcher="ray", environment="ray-new").json()["requirements"] == []
+    response = submit(launcher="ray", environment="ray-any")
+    assert response.status_code == 201 and response.json()["requirements"] == ["ray>=2.52.0"]
+    assert submit(launcher="ray", environment="ray-any", requirements=["ray==2.60.0"]).status_code == 201
+
+
+def test_a_job_without_the_ray_launcher_may_ask_for_any_ray(submit):
+    response = submit(requirements=["ray==2.40.0"])  # Hangar starts no cluster for it
+    assert response.status_code == 201 and response.json()["requirements"] == ["ray==2.40.0"]
+
+
 def test_a_ray_job_in_a_container_is_refused(submit):
     Environment.objects.create(name="pt", kind="container", image="pytorch:latest", everywhere=True)
     assert_refused(submit(launcher="ray", environment="pt"), "launcher", "container", "drop the environment")
 
 
 def test_an_unknown_launcher_is_refused(submit):
-    assert_refused(submit(launcher="torchrun"), "launcher", '"torchrun" is not a launcher', "ray")
+    assert_refused(submit(launcher="mpirun"), "launcher", '"mpirun" is not a launcher', "ray")
     assert_refused(submit(launcher=["ray"]), "launcher")
 
 
@@ -197,9 +357,11 @@ def test_the_form_asks_for_the_ray_launcher_and_the_job_page_shows_it(project, o
     form = {"project": "vision", "command": "python driver.py", "gpus_per_node": 1, "max_runtime_seconds": 60}
 
     refused = client.post("/jobs/new/", {**form, "launcher": "ray"})
+    too_old = client.post("/jobs/new/", {**form, "launcher": "ray", "requirements": "ray==2.40.0\n"})
     created = client.post("/jobs/new/", {**form, "launcher": "ray", "requirements": "ray==2.60.0\n"}, follow=True)
 
     assert "launcher ray needs ray in the job&#x27;s environment" in refused.content.decode()
+    assert "ray==2.40.0 allows a ray older than 2.52.0" in too_old.content.decode()
     assert Job.objects.get().launcher == Launcher.RAY
     page = created.content.decode()
     assert "Launcher" in page and "rank 0 runs the command as the driver" in page
@@ -300,3 +462,43 @@ def test_the_join_watcher_and_its_ray_status_fallback_run_as_the_job(tmp_path):
     finally:
         watch.close()
     assert confined == [str(bin_dir / "python"), str(bin_dir / "ray")]
+
+
+def serve_once(reply: bytes) -> tuple[int, list[bytes]]:
+    """A one-connection TCP server on loopback that reads the request, then sends `reply`."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def answer():
+        with server, server.accept()[0] as conn:
+            conn.settimeout(5)
+            received.append(conn.recv(65536))
+            conn.sendall(reply)
+
+    threading.Thread(target=answer, daemon=True).start()
+    return server.getsockname()[1], received
+
+
+# What Ray's GCS (gRPC's C core) sent a call without the token, as read off the wire here.
+REFUSED = (
+    b"\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00}\x01\x05\x00\x00\x00\x01\x88@\x0ccontent-type\x10application/grpc"
+    b"\x00\x0bgrpc-status\x0216\x00\x0cgrpc-message>InvalidAuthToken: Authentication token is missing or incorrect"
+)
+
+
+def test_the_agents_tokenless_call_reads_the_gcss_answer():
+    port, received = serve_once(REFUSED)
+    assert ray.tokenless_status("127.0.0.1", port) == (ray.UNAUTHENTICATED, "grpc-status 16")
+    request = received[0]
+    assert request.startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") and ray.GCS_CALL.encode() in request
+    assert b"authorization" not in request  # no token: that is the question asked
+
+    port, _ = serve_once(REFUSED.replace(b"\x0216", b"\x010"))  # an old ray answers the call
+    assert ray.tokenless_status("127.0.0.1", port)[0] == 0
+    port, _ = serve_once(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    assert ray.tokenless_status("127.0.0.1", port) == (None, "no grpc-status in 28 bytes")
+    status, evidence = ray.tokenless_status("127.0.0.1", port, timeout=1)  # nobody listens any more
+    assert status is None and "ConnectionRefusedError" in evidence
