@@ -29,6 +29,53 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
+class PortInUse(OSError):
+    """Another server listens on the port: a second Hangar must not join the first's group."""
+
+
+def claim(host: str, port: int, count: int) -> list[socket.socket]:
+    """`listening_sockets`, refused when anything else listens on host:port. SO_REUSEPORT lets
+    any process of the same user join a group, so a second `make start` would share the port
+    with the first and the kernel would split requests between two Hangars: after binding, the
+    port's listeners must all be this group's (two starts at once both refuse, never share)."""
+    try:
+        sockets = listening_sockets(host, port, count)
+    except OSError as exc:
+        raise PortInUse(exc.errno, f"port {port} on {host} is in use ({exc.strerror})") from exc
+    ours = {os.fstat(sock.fileno()).st_ino for sock in sockets}
+    if others := listeners(port, host) - ours:
+        for sock in sockets:
+            sock.close()
+        raise PortInUse(98, f"port {port} on {host} is in use by another server ({len(others)} listening socket(s))")
+    return sockets
+
+
+def listeners(port: int, host: str) -> set[int]:
+    """Inodes of the sockets listening on `port` at `host` or a wildcard address (/proc/net/tcp*)."""
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, _, hex_port = fields[1].partition(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port and covers(address, family, host):
+                found.add(int(fields[9]))
+    return found
+
+
+def covers(hex_address: str, family: int, host: str) -> bool:
+    """Whether a listener on `hex_address` (/proc's little-endian hex) and one on `host` share
+    connections: the same address, or either a wildcard."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = socket.inet_ntop(family, words)
+    wildcards = ("0.0.0.0", "::")
+    return host in wildcards or address in (*wildcards, host) or address == f"::ffff:{host}"
+
+
 # How long an idle keep-alive connection is kept. uvicorn's default, 5 s, is also httpx's (the
 # `hangar` CLI's) for reusing one: a request sent as the server closed the connection got
 # "Server disconnected without sending a response", a POST whose outcome the client cannot

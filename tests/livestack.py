@@ -107,7 +107,7 @@ class LiveStack:
                 self._wait(self._banner_shown, deadline, "the web server to listen")
                 break
             except RuntimeError:
-                if self.proc.poll() is None or "cannot listen on" not in self.output():
+                if self.proc.poll() is None or "is in use" not in self.output():
                     raise
                 self._use_port(free_port())  # taken between free_port() and bind: try another
         self.token = self.manage("create_token", "admin", "--name", "livestack")

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from portal import metricstoken
 from portal.models import Membership, Project, Role
-from portal.webserver import listening_sockets
+from portal.webserver import PortInUse, claim
 
 STOP_SECONDS = 20
 
@@ -34,7 +34,10 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, host, port, no_agent, no_scheduler=False, **options):
-        check_port_free(host, port)
+        try:  # first: a busy port is said before anything else is done
+            sockets = claim(host, port, settings.HANGAR_WEB_WORKERS)
+        except PortInUse as exc:
+            raise CommandError(f"{exc.strerror}: stop what listens there, or set HANGAR_PORT (or --port)") from None
         call_command("migrate", interactive=False, verbosity=0)
         call_command("example_rates")  # a first start has no rate: cost pages would read 0.00
         call_command("venv_environment")  # the local agent runs jobs in this virtualenv on request
@@ -43,7 +46,7 @@ class Command(BaseCommand):
         ensure_default_project()
         self.prepare()
         started = timezone.now()
-        children = start_children(host, port, no_agent, no_scheduler)
+        children = start_children(sockets, no_agent, no_scheduler)
         try:
             children.update(self.more_children())
             wait_for_port(host, port, children)
@@ -82,15 +85,6 @@ class Command(BaseCommand):
         ]
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
-
-
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise CommandError(f"cannot listen on {host}:{port} ({exc.strerror}); set HANGAR_PORT or --port") from exc
 
 
 def reset_process_metrics() -> None:
@@ -134,15 +128,15 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "HANGAR_DATA_DIR": str(settings.DATA_DIR)}
 
 
-def start_children(host: str, port: int, no_agent: bool, no_scheduler: bool = False) -> dict[str, subprocess.Popen]:
+def start_children(sockets: list, no_agent: bool, no_scheduler: bool = False) -> dict[str, subprocess.Popen]:
+    """The web processes, one per listening socket (more use more cores: the API's throughput
+    scales with them), the scheduler, the notifier and the local agent."""
     python = sys.executable
     manage = str(settings.BASE_DIR / "manage.py")
     env = child_env()
     children = {}
-    # More web processes use more cores: the API's throughput scales with them.
-    workers = settings.HANGAR_WEB_WORKERS
-    for index, sock in enumerate(listening_sockets(host, port, workers), start=1):
-        name = "web" if workers == 1 else f"web-{index}"
+    for index, sock in enumerate(sockets, start=1):
+        name = "web" if len(sockets) == 1 else f"web-{index}"
         argv = [python, "-m", "portal.webserver", str(sock.fileno())]
         with sock:  # the child keeps its own copy
             children[name] = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, pass_fds=[sock.fileno()])
@@ -164,12 +158,21 @@ def wait_for_port(host: str, port: int, children: dict[str, subprocess.Popen], t
     target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     while time.monotonic() < deadline:
         check_alive(children)
-        try:
-            with socket.create_connection((target, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise CommandError(f"the web server did not listen on {host}:{port} within {timeout:.0f}s")
+        if answers(target, port):
+            return
+        time.sleep(0.2)
+    raise CommandError(f"the web server did not answer on {host}:{port} within {timeout:.0f}s")
+
+
+def answers(host: str, port: int) -> bool:
+    """Whether a web process answers HTTP on the port: the socket listens (its connections wait
+    in the kernel's queue) from the start of `up`, before any process serves it."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as conn:
+            conn.sendall(f"HEAD /login/ HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            return conn.recv(12).startswith(b"HTTP/")
+    except OSError:
+        return False
 
 
 def wait_for_agent(since, children: dict[str, subprocess.Popen], timeout: float = 60) -> None:
