@@ -69,10 +69,11 @@ class Stopped(Exception):
 # --- pure parts ---------------------------------------------------------------------------
 
 
-def env_hash(resolved: list[str], python: str) -> str:
+def env_hash(resolved: list[str], python: str, interpreter: str = "") -> str:
     """The environment's name: its exact packages, the interpreter (implementation, version,
-    platform) they were resolved for."""
-    text = json.dumps([HASH_VERSION, python, sorted(resolved)])
+    platform) they were resolved for, and where that interpreter is (another one of the same
+    version is another environment: its links point elsewhere)."""
+    text = json.dumps([HASH_VERSION, python, sorted(resolved), interpreter])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -148,9 +149,13 @@ class Cache:
     def complete(self, hash_: str) -> bool:
         return (self.env(hash_) / META).is_file()
 
-    def usable(self, hash_: str) -> bool:
-        """Complete, and its interpreter still there (bin/python links to the node's Python)."""
-        return self.complete(hash_) and (self.env(hash_) / "bin" / "python").exists()
+    def usable(self, hash_: str, interpreter: str) -> bool:
+        """Complete, built from `interpreter` (the one the node would choose now) and checked
+        to run as a job uid, and that interpreter still there (bin/python links to it)."""
+        if not self.complete(hash_) or not (self.env(hash_) / "bin" / "python").exists():
+            return False
+        meta = self.meta(hash_)
+        return meta.get("interpreter") == interpreter and bool(meta.get("checked_as_job"))
 
     def meta(self, hash_: str) -> dict:
         try:
@@ -319,32 +324,33 @@ def prepare(job, say: SAY, still_current: Callable[[], bool]) -> Prepared | None
     if not requirements:
         return None
     store, key = cache(), requirements_key(requirements, version)
+    exe, ident = find_python(version)  # the interpreter is part of what is cached: a change builds anew
     known = store.resolved(key, settings.HANGAR_ENV_RESOLVE_SECONDS)
-    if known and (held := hold_shared(store, known)) is not None:
+    if known and (held := hold_shared(store, known, exe)) is not None:
         store.used(known, job.pk)
         say(f"environment {known[:12]} cached on this node: no build ({len(held.record['packages'])} packages)")
         return held
     started = time.monotonic()
-    exe, ident = find_python(version)
     say(f"resolving {len(requirements)} requirement(s) for {ident} with uv")
     compile_ = ["pip", "compile", "-", "--python", exe, "--no-header", "--no-annotate", "--no-build", "--quiet"]
     resolved = pinned(run_uv(store, compile_, say, still_current, stdin="\n".join(requirements)))
-    hash_ = env_hash(resolved, ident)
+    hash_ = env_hash(resolved, ident, exe)
     store.remember(key, hash_)
-    prepared = build_or_wait(store, hash_, exe, ident, resolved, say, still_current)
+    named = job.environment.name if job.environment is not None and job.environment.cached else ""
+    prepared = build_or_wait(store, hash_, Build(exe, ident, resolved, named), say, still_current)
     store.used(hash_, job.pk)
     prepared.record["prepare_seconds"] = round(time.monotonic() - started, 3)
     return prepared
 
 
-def hold_shared(store: Cache, hash_: str) -> Prepared | None:
+def hold_shared(store: Cache, hash_: str, interpreter: str) -> Prepared | None:
     """A shared hold on a usable environment, or None (absent, evicted meanwhile, or its
-    interpreter gone: then it is resolved again, for the interpreter the node has now)."""
-    if not store.usable(hash_):
+    interpreter gone or changed: then it is resolved again, for the interpreter the node has now)."""
+    if not store.usable(hash_, interpreter):
         return None
     fd = store.lock(hash_)
     fcntl.flock(fd, fcntl.LOCK_SH)  # an eviction holds it exclusively only while it removes
-    if not store.usable(hash_):
+    if not store.usable(hash_, interpreter):
         os.close(fd)
         return None
     meta = store.meta(hash_)
@@ -352,14 +358,25 @@ def hold_shared(store: Cache, hash_: str) -> Prepared | None:
     return Prepared(store.env(hash_), hash_, record, fd)
 
 
-def build_or_wait(store, hash_, exe, ident, resolved, say: SAY, still_current) -> Prepared:
+@dataclass(frozen=True)
+class Build:
+    """What an environment is built from: the interpreter, its name, the exact packages, and the
+    named environment it serves (for `hangar env rebuild NAME`), if any."""
+
+    exe: str
+    ident: str
+    resolved: list[str]
+    environment: str = ""
+
+
+def build_or_wait(store, hash_, what: Build, say: SAY, still_current) -> Prepared:
     fd = store.lock(hash_)
     try:
         exclusive = wait_exclusive(fd, hash_, say, still_current, lambda: store.complete(hash_))
         built = exclusive and not store.complete(hash_)
         if built:
             store.sweep(hash_)
-            build(store, hash_, exe, ident, resolved, say, still_current)
+            build(store, hash_, what, say, still_current)
             evict(store, keep={hash_})
         else:
             say(f"environment {hash_[:12]} is built on this node already (by another job meanwhile): no build")
@@ -371,7 +388,7 @@ def build_or_wait(store, hash_, exe, ident, resolved, say: SAY, still_current) -
         os.close(fd)
         raise BuildFailed(f"environment {hash_[:12]} was evicted as it was built; retrying", FailureClass.INFRA)
     meta = store.meta(hash_)
-    record = {"hash": hash_, "python": ident, "packages": meta.get("packages", resolved), "cached": not built}
+    record = {"hash": hash_, "python": what.ident, "packages": meta.get("packages", what.resolved), "cached": not built}
     if built:
         record["build_seconds"] = meta.get("build_seconds")
     return Prepared(store.env(hash_), hash_, record, fd)
@@ -398,27 +415,48 @@ def wait_exclusive(fd: int, hash_: str, say: SAY, still_current, complete: Calla
         time.sleep(POLL_SECONDS)
 
 
-def build(store: Cache, hash_: str, exe: str, ident: str, resolved: list[str], say: SAY, still_current) -> None:
-    """Build into a temporary folder, then rename it into place: complete, or not there at all."""
+def build(store: Cache, hash_: str, what: Build, say: SAY, still_current) -> None:
+    """Build into a temporary folder, check that a job's uid can run its Python there, then
+    rename it into place: complete and runnable, or not there at all."""
     started = time.monotonic()
     tmp = store.dir("envs") / f".build-{hash_}-{os.getpid()}"
-    say(f"building environment {hash_[:12]} ({len(resolved)} packages, {ident})")
+    resolved = what.resolved
+    say(f"building environment {hash_[:12]} ({len(resolved)} packages, {what.ident})")
     try:
-        run_uv(store, ["venv", "--relocatable", "--quiet", "--python", exe, str(tmp)], say, still_current)
+        run_uv(store, ["venv", "--relocatable", "--quiet", "--python", what.exe, str(tmp)], say, still_current)
         (tmp / "hangar-requirements.txt").write_text("\n".join(resolved) + "\n")
         sync = ["pip", "sync", "--python", str(tmp / "bin" / "python"), "--no-build", "--compile-bytecode"]
         run_uv(store, [*sync, str(tmp / "hangar-requirements.txt")], say, still_current)
+        for path in (tmp, tmp / "hangar-requirements.txt"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        check_as_job(tmp, hash_)
         seconds = round(time.monotonic() - started, 3)
-        meta = {"hash": hash_, "python": ident, "packages": resolved, "build_seconds": seconds,
+        meta = {"hash": hash_, "python": what.ident, "interpreter": what.exe, "packages": resolved,
+                "environment": what.environment, "checked_as_job": True, "build_seconds": seconds,
                 "built_at": timezone.now().isoformat(), "size_bytes": tree_size(tmp)}  # fmt: skip
         (tmp / META).write_text(json.dumps(meta))
-        for path in (tmp, tmp / META, tmp / "hangar-requirements.txt"):
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        (tmp / META).chmod(0o644)
         os.rename(tmp, store.env(hash_))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     say(f"environment {hash_[:12]} built in {seconds:.1f} s ({len(resolved)} packages, {human(meta['size_bytes'])})")
+
+
+def check_as_job(env: Path, hash_: str) -> None:
+    """The built environment's Python, run as a job uid in a sandbox (agent/sandbox.py): one
+    that fails is never kept, so no later job is given it from the cache."""
+    from agent import reach, sandbox
+
+    python = str(env / "bin" / "python")
+    code, output = sandbox.try_as_job([python, "-c", sandbox.PYTHON_PROBE], reach.prefix_roots(str(env)))
+    if code != 0:
+        tail = " ".join(output.split())[-300:] or f"exit code {code}"
+        raise BuildFailed(
+            f"environment {hash_[:12]} was built, but a job's uid cannot run its Python on this node: {tail}; "
+            "the operator sets HANGAR_ENV_PYTHONS to an interpreter job uids can run",
+            FailureClass.INFRA,
+        )
 
 
 def run_uv(store: Cache, args: list[str], say: SAY, still_current, stdin: str | None = None) -> str:
@@ -507,19 +545,9 @@ def evict(store: Cache, keep: set[str]) -> list[str]:
     """Past HANGAR_ENV_CACHE_GB, remove least recently used environments no job holds."""
     gone = []
     for hash_ in choose_evictions(store.entries(), settings.HANGAR_ENV_CACHE_GB * 1e9, keep):
-        fd = store.lock(hash_)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held (shared) by a running job: keep it
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            if store.complete(hash_):
-                store.remove(hash_)
-                gone.append(hash_)
-                log.info("environment %s evicted (HANGAR_ENV_CACHE_GB=%s)", hash_[:12], settings.HANGAR_ENV_CACHE_GB)
-        finally:
-            os.close(fd)
+        if drop(store, hash_):  # one a running job holds is kept
+            gone.append(hash_)
+            log.info("environment %s evicted (HANGAR_ENV_CACHE_GB=%s)", hash_[:12], settings.HANGAR_ENV_CACHE_GB)
     return gone
 
 
@@ -537,6 +565,7 @@ def report(node) -> None:
 
     try:
         store = cache()
+        apply_rebuilds(store)
         entries, keys = store.entries(), keys_by_hash(store)
         seen = (tuple(sorted((e.hash, e.last_used) for e in entries)), tuple(sorted(keys.items())))
         if _reported.get(node.pk) == seen:
@@ -556,6 +585,48 @@ def report(node) -> None:
         _reported[node.pk] = seen
     except Exception:  # the heartbeat goes on without it
         log.exception("node %s: cached environments not reported", node.name)
+
+
+REBUILD_WINDOW_DAYS = 7  # requests older than this were applied by every node that was up
+
+
+def apply_rebuilds(store: Cache) -> list[str]:
+    """Drop the environments an operator asked to rebuild (jobs EnvironmentRebuild) that this
+    node built before the request; one a running job holds waits for the next heartbeat."""
+    from datetime import datetime, timedelta
+
+    from jobs.models import EnvironmentRebuild
+
+    entries = store.entries()
+    if not entries:
+        return []
+    since = timezone.now() - timedelta(days=REBUILD_WINDOW_DAYS)
+    requests = list(EnvironmentRebuild.objects.filter(requested_at__gte=since))
+    gone = []
+    for entry in entries:
+        meta = store.meta(entry.hash)
+        built = datetime.fromisoformat(meta["built_at"]) if meta.get("built_at") else None
+        if any(r.covers(meta.get("environment", ""), entry.hash, built) for r in requests) and drop(store, entry.hash):
+            gone.append(entry.hash)
+            log.info("environment %s dropped: an operator asked for it to be rebuilt", entry.hash[:12])
+    return gone
+
+
+def drop(store: Cache, hash_: str) -> bool:
+    """Remove one environment unless a job holds it (its shared lock)."""
+    fd = store.lock(hash_)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        if store.complete(hash_):
+            store.remove(hash_)
+            return True
+        return False
+    finally:
+        os.close(fd)
 
 
 def keys_by_hash(store: Cache) -> dict[str, list[str]]:

@@ -96,12 +96,12 @@ def popen_user(job: Job, user: JobUser | None) -> dict:
 
 def prepare_workdir(workdir: Path, checkpoints: Path, user: JobUser | None) -> None:
     """Make the job's directory (and its checkpoint directory) the job user's."""
-    checkpoints.mkdir(parents=True, exist_ok=True)
     if user is None:
+        checkpoints.mkdir(parents=True, exist_ok=True)
         return
-    if workdir.stat().st_uid != user.uid:  # made by the agent, or by an attempt that ran as another user
-        for path in [workdir, *workdir.rglob("*")]:
-            os.chown(path, user.uid, user.gid, follow_symlinks=False)
+    from agent.sandbox import prepare_job_dirs  # by descriptor: an earlier attempt may have left links
+
+    prepare_job_dirs(workdir, checkpoints, user.uid, user.gid)
     for parent in workdir.parents:
         if not may_search(parent.stat(), user):
             raise JobUserError(

@@ -46,6 +46,8 @@ class Agent:
         self.next_compact = 0.0
         # (mode, reason) the agent command found at start: shown as a badge on the node and fleet pages.
         self.isolation: tuple[str, str] = ("none", "")
+        # (what a job's `python` is here, why a job uid cannot run it): checked at start.
+        self.job_python: tuple[str, str] = ("", "")
         # Where the other nodes reach this one (agent/network.py); the command sets them.
         self.address = ""
         self.network_interface = ""
@@ -77,6 +79,8 @@ class Agent:
                     "last_heartbeat_at": timezone.now(),
                     "isolation": self.isolation[0],
                     "isolation_reason": self.isolation[1],
+                    "job_python": self.job_python[0],
+                    "job_python_problem": self.job_python[1],
                 },
             )
             node.gpus.exclude(index__in=listed + vanished).delete()

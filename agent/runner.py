@@ -31,7 +31,19 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from agent import connections, envcache, environments, helpers, network, running, sandbox, snapshots, watch
+from agent import (
+    connections,
+    envcache,
+    environments,
+    helpers,
+    network,
+    pipelinecopy,
+    reach,
+    running,
+    sandbox,
+    snapshots,
+    watch,
+)
 from agent import ray as raycluster
 from agent.output import LogWriter
 from agent.preflight import rendezvous_reachable, run_preflight, run_rendezvous
@@ -40,7 +52,7 @@ from agent.running import lock as _running_lock
 from fleet.models import HealthEvent, Node
 from fleet.preflight import Result
 from fleet.preflight import record as record_checks
-from jobs import jobspec, pipelines, secret_env, tracking
+from jobs import diagnosing, jobspec, pipelines, secret_env, tracking
 from jobs.models import (
     STARTED_ATTEMPT_STATES,
     Attempt,
@@ -180,6 +192,10 @@ class Runner:
         self.ray = self.job.launcher == Launcher.RAY
         self.ray_driver_started = False  # rank 0 of a Ray job: every node joined, the driver was let start
         self.sandbox_info: int | None = None  # the read end of bwrap's --info-fd, until job_group reads it
+        self.view = reach.View(sandboxed=False, everything=True)  # what the job sees: set by start_process
+        self.output: MaskedLines | None = None  # what the job prints, on its way to the writer
+        self.exited_at: float | None = None  # when its process was seen to end (time.time())
+        self.stopping = False  # the agent had asked it to stop (cancel, preemption, timeout, another rank)
         self.sandbox_group: int | None = None  # the sandbox's process group (its init's pid), once read
 
     @property
@@ -220,6 +236,7 @@ class Runner:
         # Its process group is gone: a rank waiting for these GPUs may start now, while this
         # one writes its outcome (the hand-off from one short job to the next).
         running.release(self.attempt.pk)
+        self.record_exit(exit_code)
         # A Ray job's outcome is its driver's (rank 0): the other ranks' Ray nodes never end by themselves.
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
         others_running = others_running and not (self.ray and self.rank == 0)
@@ -234,6 +251,16 @@ class Runner:
         ended = outcome.state, outcome.failure_class, outcome.reason, exit_code
         if not self.record(lambda: self.attempt.finish(*ended)):
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
+
+    def record_exit(self, exit_code: int | None) -> None:
+        """A failed rank of a multi-node attempt records its exit (code, time, whether the agent
+        had stopped it) for the diagnosis; the last one to do so has it diagnosed again, with all
+        of them (the first diagnosis ran at the attempt's end, before the other ranks reported)."""
+        if self.world_size == 1 or self.proc is None or exit_code in (None, 0) or self.exited_at is None:
+            return
+        stopped = self.stopping
+        if self.record(lambda: self.attempt.rank_exited(self.rank, exit_code, self.exited_at, stopped)):
+            diagnosing.store(self.attempt.pk)
 
     def record(self, write: Callable[[], bool]) -> bool:
         """Write this rank's outcome, retrying while the database fails: an outcome lost
@@ -280,16 +307,25 @@ class Runner:
             return ended, None
         try:
             self.proc = self.start_process()
+        except pipelinecopy.CopyStopped:
+            return self.stop_requested or Outcome(AttemptState.LOST, FailureClass.INFRA, "ended during its copy"), None
+        except pipelinecopy.CopyRefused as exc:  # said in the log already
+            return Outcome(AttemptState.FAILED, exc.failure_class, exc.reason), None
         except secret_env.SecretUnreadable as exc:  # this node's keys, not the job: infra
             reason = f"could not start the job: {exc}"
             self.system(reason, error=True)
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
-        except OSError as exc:
-            reason = f"could not start {self.job.command[0]!r}: {exc.strerror or exc}"
+        except LaunchRefused as exc:
+            reason = f"could not start the job: {exc.problem.reason}"
             self.system(reason, error=True)
-            return Outcome(AttemptState.FAILED, FailureClass.USER, reason), 127 if isinstance(
-                exc, FileNotFoundError
-            ) else 126
+            failure = FailureClass.INFRA if exc.problem.nodes_fault else FailureClass.USER
+            return Outcome(AttemptState.FAILED, failure, reason), 127
+        except OSError as exc:
+            # The program was checked (LaunchRefused): what fails here is the node's sandbox or launcher.
+            where = f" ({exc.filename})" if exc.filename else ""
+            reason = f"could not start the job: {exc.strerror or exc}{where}"
+            self.system(reason, error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), None
         record = self.environment.record if self.environment is not None and self.rank == 0 else None
         if not self.attempt.mark_running(self.proc.pid, record):
             self.request_stop(AttemptState.CANCELLED, FailureClass.CANCELLED, "cancelled before start")
@@ -382,6 +418,8 @@ class Runner:
     def job_env(self) -> dict[str, str]:
         job, attempt = self.job, self.attempt
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
+        first = [str(Path(reach.default_python()).parent)]  # the node's job Python is the job's `python`
+        env["PATH"] = reach.job_path(os.environ.get("PATH", os.defpath), first, self.view)
         env["PYTHONUNBUFFERED"] = "1"  # live logs from Python jobs unless the job says otherwise
         # MLFLOW_*; the job's own env may override them. Begun during the preflight when there was one.
         env.update(self.tracking.result() if self.tracking is not None else tracking.job_env(job, attempt))
@@ -400,13 +438,23 @@ class Runner:
             HANGAR_NODE=self.node.name,
             HANGAR_CHECKPOINT_DIR=str(job.checkpoint_dir()),
             **pipelines.stage_env(job),  # HANGAR_PIPELINE_DIR of a pipeline's stage
-            **rank_env(attempt, self.rank, self.master_addr()),
+            **self.rank_variables(),
         )
         # The submit refuses them; a job stored before it did must not hand them to root either.
         if unsafe := sorted(jobspec.ROOT_UNSAFE & env.keys()):
             self.system(f"not given to the job: {', '.join(unsafe)} ({jobspec.ROOT_UNSAFE_REASON})", error=True)
             env = {k: v for k, v in env.items() if k not in jobspec.ROOT_UNSAFE}
         return env
+
+    def rank_variables(self) -> dict[str, str]:
+        """torchrun's variables only where more than one process runs: scripts that enter DDP
+        when RANK is set (nanoGPT, accelerate, Lightning) run a one-process job as they would
+        alone. Under launcher torchrun, torchrun gives them to each process it starts."""
+        if self.job.launcher == Launcher.TORCHRUN:
+            return {"HANGAR_RANK": str(self.rank)} if self.world_size > 1 else {}
+        if self.world_size == 1:
+            return {}
+        return rank_env(self.attempt, self.rank, self.master_addr())
 
     def master_addr(self) -> str:
         if self.world_size == 1:
@@ -445,14 +493,21 @@ class Runner:
         self.launch = sandbox.launch_for(
             self.job, self.gpus, self.workdir(), not self.node.simulated, container, prefix
         )
+        self.view = sandbox.job_view(self.launch)
         user = environments.job_user() if self.launch is None else environments.uid_user(self.launch.uid)
-        if directory := pipelines.stage_env(self.job).get("HANGAR_PIPELINE_DIR"):
-            sandbox.prepare_pipeline_dir(directory, shared=self.launch is not None)
+        # A stage's run directory (a rerun's: copied here, as this stage's uid): agent/pipelinecopy.py.
+        pipelinecopy.prepare_stage_directory(self.job, user, self.launch is not None, self.system, self.still_current)
         if self.launch is None:
             environments.prepare_workdir(self.workdir(), self.job.checkpoint_dir(), user)
         argv, env = environments.command_for(
             self.job, self.job_env(), self.gpus, self.workdir(), f"hangar-{self.attempt.pk}-{self.rank}", user, prefix
         )
+        if self.job.launcher == Launcher.TORCHRUN:
+            argv = self.torchrun(argv)
+        if not container and not self.ray:
+            agent_path = os.environ.get("PATH", os.defpath)
+            if problem := reach.program_problem(argv, env.get("PATH", ""), agent_path, self.view, self.node.name):
+                raise LaunchRefused(problem)
         if self.ray:
             argv, env = self.ray_rank(argv, env)
         boxed = self.launch is not None and self.launch.box is not None and not container
@@ -490,9 +545,15 @@ class Runner:
             # In a sandbox no reaper is needed: its processes live in a PID namespace of their
             # own, which ends with bwrap, and bwrap dies with this thread (--die-with-parent).
             self.reaper = start_reaper(proc.pid)
-        lines = MaskedLines(self.lines, list(self.job.secret_env.values()))
-        self.writer.read_from([(proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)], lines)
+        self.output = MaskedLines(self.lines, list(self.job.secret_env.values()))
+        self.writer.read_from([(proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)], self.output)
         return proc
+
+    def torchrun(self, command: list[str]) -> list[str]:
+        """The command under torch.distributed.run: one process per GPU of this node (at least one)."""
+        port = rank_env(self.attempt, self.rank, "")["MASTER_PORT"]
+        nproc = max(1, len(self.gpus))
+        return torchrun_argv(command, self.world_size, self.rank, nproc, self.master_addr(), port)
 
     def watch(self) -> tuple[Outcome, int | None]:
         self.stop_keeping_lease()  # this loop renews it while the process runs
@@ -521,6 +582,7 @@ class Runner:
                 return self.terminate()
             connections.hand_back()
             wait_for_exit(self.proc, WATCH_SECONDS)
+        self.exited_at = time.time()
         code = self.proc.returncode
         return self.exited(code if self.launch is None else self.launch.returncode(code))
 
@@ -564,12 +626,14 @@ class Runner:
         preempted = outcome.failure_class == FailureClass.PREEMPTED
         grace = settings.HANGAR_PREEMPT_GRACE_SECONDS if preempted else settings.HANGAR_KILL_GRACE_SECONDS
         self.system(f"stopping: {outcome.reason} (SIGTERM, then SIGKILL after {grace:g}s)", error=True)
+        self.stopping = True
         signal_group(self.job_group(), signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             self.kill()
             self.proc.wait()
+        self.exited_at = time.time()
         self.kill()
         self.writer.wait_for_streams(timeout=5)
         return outcome, exit_status(self.proc.returncode)
@@ -600,6 +664,10 @@ class Runner:
         if code == 0:
             self.system("exited with code 0")
             return Outcome(AttemptState.SUCCEEDED, "", "exited with code 0"), 0
+        if (failed := self.sandbox_failure(code)) is not None:
+            reason = f"could not start the job: the sandbox failed: {failed}"
+            self.system(reason, error=True)
+            return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
         reason = describe_exit(returncode) + abort_hint(returncode, self.world_size)
         if self.ray and (self.rank > 0 or not self.ray_driver_started):
             # A Ray node died under the driver, or the head before the driver started: the node's, not
@@ -617,6 +685,17 @@ class Runner:
             reason += f" after a health event on its GPUs: {fault.message}"
             return Outcome(AttemptState.FAILED, FailureClass.INFRA, reason), code
         return Outcome(AttemptState.FAILED, FailureClass.USER, reason), code
+
+    def sandbox_failure(self, code: int) -> str | None:
+        """bwrap's own error when it, not the job, failed (it exits 1 after saying why, before
+        the command runs: a bind or an exec it could not make). A job that prints the same
+        first only earns an infrastructure requeue, capped by HANGAR_MAX_REQUEUES."""
+        if self.launch is None or self.launch.box is None or code != 1 or self.output is None:
+            return None
+        first = self.output.first
+        if first is None or first[0] != Stream.STDERR or not first[1].startswith(b"bwrap: "):
+            return None
+        return first[1].decode(errors="replace").strip()
 
     # --- launcher: ray (agent/ray.py) ---------------------------------------------------------
 
@@ -776,6 +855,29 @@ class Runner:
         self.writer.system(f"[hangar] {text}", error)
 
 
+class LaunchRefused(Exception):
+    """The job's program cannot start where it would run (agent/reach.py): nothing is started."""
+
+    def __init__(self, problem: reach.Unstartable):
+        super().__init__(problem.reason)
+        self.problem = problem
+
+
+def torchrun_argv(command: list[str], nnodes: int, node_rank: int, nproc: int, addr: str, port: str) -> list[str]:
+    """torch.distributed.run from the job's own Python: `python train.py ARGS` becomes
+    `python -m torch.distributed.run OPTIONS train.py ARGS` (also `python -m module`); any
+    other command runs under --no-python with the Python first on the job's PATH."""
+    options = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}"]
+    options += [f"--master-addr={addr}", f"--master-port={port}"]
+    program = command[0] if command else ""
+    script = len(command) > 1 and (not command[1].startswith("-") or command[1] == "-m")
+    if os.path.basename(program).startswith("python"):
+        if script:
+            return [program, "-m", "torch.distributed.run", *options, *command[1:]]
+        return [program, "-m", "torch.distributed.run", *options, "--no-python", *command]
+    return ["python", "-m", "torch.distributed.run", *options, "--no-python", *command]
+
+
 def job_preexec(memory_limit_mb: int) -> Callable[[], None]:
     """What the job's leader does between fork and exec: die with the runner's thread
     (PR_SET_PDEATHSIG; its children are the reaper's), and take the memory limit."""
@@ -809,10 +911,13 @@ class MaskedLines:
         self.out = out
         values = {str(v).encode() for v in secrets if v is not None and len(str(v)) >= MIN_MASKED_SECRET}
         self.secrets = sorted(values, key=len, reverse=True)  # a secret inside a longer one: the longer first
+        self.first: tuple[int, bytes] | None = None  # the first line of either stream, with its stream
 
     def put(self, item: tuple) -> None:
         """An item of read_lines: (stream, time, [(raw line, cut), ...] or None at the end, flag)."""
         stream, ts, lines, flag = item
+        if lines and self.first is None:
+            self.first = (stream, lines[0][0])
         if lines and self.secrets:
             lines = [(self.mask(raw), cut) for raw, cut in lines]
         self.out.put((stream, ts, lines, flag))

@@ -25,6 +25,7 @@ How the sandbox is built, and why in this order (see TRAPS.md):
   --die-with-parent replaces the PDEATHSIG that the uid change clears.
 """
 
+import errno
 import functools
 import json
 import logging
@@ -32,9 +33,13 @@ import os
 import select
 import shutil
 import stat
+import subprocess
+import tempfile
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from agent import reach, stage
 
 log = logging.getLogger("hangar.agent")
 
@@ -50,6 +55,7 @@ ISOLATION_NONE = "none"  # the agent's user (not root, or HANGAR_JOB_UID_RANGE=o
 class Bind:
     path: str
     writable: bool = False
+    ours: bool = False  # Hangar's own directory (not a user's volume): may be staged (agent/stage.py)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,9 @@ class Sandbox:
     bwrap: str = "bwrap"
     setpriv: str = "setpriv"
     devices: tuple[str, ...] = field(default=NVIDIA_CONTROL_DEVICES)
+    tools: tuple[str, ...] = ()  # interpreter prefixes the job runs from, bound read-only where they are
+    sources: tuple[tuple[str, str], ...] = ()  # a bind's path -> where bwrap finds it (agent/stage.py)
+    enter: tuple[str, ...] = ()  # what starts bwrap in the staging namespace, when a source is staged
 
 
 def job_uid(job_id: int, uid_range: tuple[int, int], busy: set[int]) -> int:
@@ -102,7 +111,7 @@ def hidden_mounts(hidden: tuple[str, ...]) -> list[str]:
 def bwrap_argv(box: Sandbox, command: list[str], info_fd: int | None = None) -> list[str]:
     """The argv that runs `command` in `box` (see the module's docstring for the order);
     `info_fd`: where bwrap writes its init's pid (an fd the started process inherits)."""
-    argv = [box.setpriv, f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups", "--no-new-privs"]
+    argv = [*box.enter, box.setpriv, f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups", "--no-new-privs"]
     argv += ["--pdeathsig", "KILL", "--", box.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc"]
     if box.network == "none":
         argv.append("--unshare-net")
@@ -116,15 +125,22 @@ def bwrap_argv(box: Sandbox, command: list[str], info_fd: int | None = None) -> 
     if box.real_gpus:
         for device in gpu_devices(box.gpus, box.devices):
             argv += ["--dev-bind-try", device, device]
-    own = [Bind(box.workdir, writable=True)]
-    if box.checkpoint_dir and not under(box.checkpoint_dir, [box.workdir]):
-        own.append(Bind(box.checkpoint_dir, writable=True))
-    for bind in [*own, *box.binds]:
-        argv += ["--bind" if bind.writable else "--ro-bind", bind.path, bind.path]
+    sources = dict(box.sources)
+    for bind in all_binds(box):
+        argv += ["--bind" if bind.writable else "--ro-bind", sources.get(bind.path, bind.path), bind.path]
     for path in hidden:  # what Hangar hides stays read-only: a write there fails, never lands in a throwaway tmpfs
         argv += ["--remount-ro", path]
     argv += ["--chdir", box.workdir, "--", *command]
     return argv
+
+
+def all_binds(box: Sandbox) -> list[Bind]:
+    """What the sandbox binds, outermost first: the job's own directories, its environment,
+    pipeline directory and volumes, and the interpreters it runs from."""
+    own = [Bind(box.workdir, writable=True, ours=True)]
+    if box.checkpoint_dir and not under(box.checkpoint_dir, [box.workdir]):
+        own.append(Bind(box.checkpoint_dir, writable=True, ours=True))
+    return [*own, *box.binds, *(Bind(path, ours=True) for path in box.tools)]
 
 
 def init_pid(info: int, timeout: float = 5.0) -> int | None:
@@ -243,28 +259,75 @@ def uids_in_use() -> set[int]:
     return uids
 
 
-def prepare_node(data_dir: Path, workdir_root: Path) -> None:
+def prepare_node(data_dir: Path, workdir_root: Path, sandboxed: bool = False) -> None:
     """Let job uids reach their own directories (search, never list): the data directory and
-    the job workdir root become 0711; the files in them stay 0600, their other folders 0700."""
+    the job workdir root become 0711; the files in them stay 0600, their other folders 0700.
+    Without a sandbox, a closed directory above them is an error saying what to open; in one,
+    the workdir root is staged instead (agent/stage.py)."""
     workdir_root.mkdir(parents=True, exist_ok=True)
     for path in [*Path(workdir_root).parents, workdir_root]:
         if path == workdir_root or under(str(path), [str(data_dir)]):  # Hangar's own folders
             path.chmod(0o711)
-        elif not path.stat().st_mode & stat.S_IXOTH:
+        elif not sandboxed and not path.stat().st_mode & stat.S_IXOTH:
             raise OSError(f"job uids cannot reach {workdir_root}: chmod o+x {path}, or move HANGAR_JOB_WORKDIR")
 
 
-def prepare_job_dirs(workdir: Path, checkpoints: Path, uid: int) -> None:
-    """The job's directory and checkpoint directory: 0700 and its uid's (again when an
-    earlier attempt ran as another uid)."""
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    for path in (workdir, checkpoints):
-        info = path.stat()
-        if info.st_uid != uid:
-            for sub in [path, *path.rglob("*")]:
-                os.chown(sub, uid, uid, follow_symlinks=False)
-        if stat.S_IMODE(info.st_mode) != 0o700:
-            path.chmod(0o700)
+def prepare_job_dirs(workdir: Path, checkpoints: Path, uid: int, gid: int | None = None) -> None:
+    """The job's directory and checkpoint directory: 0700 and its uid's (again when an earlier
+    attempt ran as another uid). An earlier attempt may have left links in them, or put one in
+    the checkpoint directory's place: both are opened and walked through descriptors with
+    O_NOFOLLOW, never by path, and whatever stands in the checkpoint directory's place is removed."""
+    workdir.mkdir(parents=True, exist_ok=True)  # its parents are Hangar's: no job writes there
+    top = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if checkpoints.parent == workdir:
+            inner = own_subdir(top, checkpoints.name)
+        else:  # under HANGAR_CHECKPOINT_ROOT: Hangar's own parents
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            inner = os.open(checkpoints, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for fd in (top, inner):
+                give_tree(fd, uid, uid if gid is None else gid)
+        finally:
+            os.close(inner)
+    finally:
+        os.close(top)
+
+
+def own_subdir(parent: int, name: str) -> int:
+    """A descriptor of the directory `name` in `parent`, made if missing; a link or a file in its
+    place (what a job can leave there) is removed, never followed."""
+    for _ in range(3):
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            os.unlink(name, dir_fd=parent)
+    raise OSError(errno.EAGAIN, f"{name} keeps being replaced while it is made")
+
+
+def give_tree(fd: int, uid: int, gid: int) -> None:
+    """The directory `fd` and what is in it made `uid`'s (unless it is already), and 0700. Walked
+    by descriptor (os.fwalk, no link followed); a file with other hard links is left alone: it
+    may be another owner's file linked in, which a chown would hand over."""
+    info = os.fstat(fd)
+    if info.st_uid != uid:
+        os.fchown(fd, uid, gid)
+        for _, dirs, files, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+            for name in [*dirs, *files]:
+                try:
+                    entry = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if not (stat.S_ISREG(entry.st_mode) and entry.st_nlink > 1):
+                        os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass  # gone meanwhile
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
 
 
 @dataclass(frozen=True)
@@ -308,10 +371,11 @@ def launch_for(
     announce(isolation_mode, reason)
     if isolation_mode == ISOLATION_NONE:
         return None
-    prepare_node(settings.DATA_DIR, settings.HANGAR_JOB_WORKDIR)
+    boxed = isolation_mode == ISOLATION_SANDBOX and not container
+    prepare_node(settings.DATA_DIR, settings.HANGAR_JOB_WORKDIR, sandboxed=boxed)
     uid = job_uid(job.pk, settings.HANGAR_JOB_UID_RANGE, uids_in_use() - {owner_of(workdir)})
     prepare_job_dirs(workdir, job.checkpoint_dir(), uid)
-    if isolation_mode != ISOLATION_SANDBOX or container:
+    if not boxed:
         return Launch(uid, None)
     found = tools()
     box = Sandbox(
@@ -326,7 +390,68 @@ def launch_for(
         bwrap=found.bwrap,
         setpriv=found.setpriv,
     )
-    return Launch(uid, box)
+    box = replace(box, tools=reach.tools_to_bind(interpreter_roots(job, env_path), view_of(box)))
+    return Launch(uid, reachable(box, staging_roots(settings)))
+
+
+def interpreter_roots(job, env_path: Path | None) -> list[str]:
+    """The prefixes the job's Python runs from: the node's job Python (first on its PATH),
+    and its environment's (a cached one, or a host one's path) with the installation under it."""
+    roots = reach.python_roots(reach.default_python())
+    environment = job.environment
+    prefix = str(env_path) if env_path is not None else (environment.path if environment is not None else "")
+    if prefix:
+        roots += reach.prefix_roots(prefix)
+    return list(dict.fromkeys(roots))
+
+
+def job_view(launch: "Launch | None") -> reach.View:
+    """What a job started by `launch` sees: everything (no uid of its own), the host as its uid
+    may (no sandbox), or its sandbox."""
+    if launch is None:
+        return reach.View(sandboxed=False, everything=True)
+    if launch.box is None:
+        return reach.View(sandboxed=False)
+    return view_of(launch.box)
+
+
+def view_of(box: Sandbox) -> reach.View:
+    """What the job in `box` sees: its binds wherever they are, the rest as its uid may."""
+    return reach.View(sandboxed=True, hidden=box.hidden, bound=tuple(b.path for b in all_binds(box)))
+
+
+def staging_roots(settings) -> list[str]:
+    """Hangar's own directories, staged whole when job uids cannot reach them (agent/stage.py)."""
+    roots = [settings.HANGAR_JOB_WORKDIR, settings.HANGAR_ENV_CACHE_DIR, settings.HANGAR_PIPELINE_ROOT]
+    return [str(root) for root in [*roots, settings.HANGAR_CHECKPOINT_ROOT] if root]
+
+
+def reachable(box: Sandbox, roots: list[str]) -> Sandbox:
+    """`box` with Hangar's own directories that its uid cannot reach taken from the staging
+    namespace (agent/stage.py), and the closed directories above its binds hidden (an empty
+    tmpfs: bwrap makes the binds' mount points there; the job could not list them anyway)."""
+    binds = all_binds(box)
+    sources = []
+    for bind in binds:
+        blocked = reach.blocked_at(bind.path)
+        if bind.ours and blocked is not None:
+            root = staging_root(bind.path, blocked, roots)
+            sources.append((bind.path, stage.stage().source(root) + bind.path[len(root) :]))
+    closed = sorted({b for b in (reach.blocked_at(bind.path) for bind in binds) if b is not None})
+    if not sources and not closed:
+        return box
+    hidden = (*box.hidden, *closed, *([stage.STAGE_DIR] if sources else []))
+    enter = tuple(stage.stage().enter_argv()) if sources else ()
+    return replace(box, hidden=hidden, sources=tuple(sources), enter=enter)
+
+
+def staging_root(path: str, blocked: str, roots: list[str]) -> str:
+    """The directory to stage for `path`: the innermost of Hangar's roots that holds it, below
+    the closed directory `blocked` (one bind serves every job's directory); else `path` itself."""
+    for root in sorted(roots, key=len, reverse=True):
+        if under(path, [root]) and under(root, [blocked]) and root != blocked:
+            return root
+    return path
 
 
 def owner_of(path: Path) -> int | None:
@@ -400,12 +525,12 @@ def job_binds(job, env_path: Path | None = None) -> tuple[Bind, ...]:
 
     binds = []
     if pipeline_dir := stage_env(job).get("HANGAR_PIPELINE_DIR"):
-        binds.append(Bind(os.path.normpath(pipeline_dir), writable=True))
+        binds.append(Bind(os.path.normpath(pipeline_dir), writable=True, ours=True))
     environment = job.environment
     if env_path is not None:
-        binds.append(Bind(os.path.normpath(env_path)))
+        binds.append(Bind(os.path.normpath(env_path), ours=True))
     elif environment is not None and environment.path:
-        binds.append(Bind(os.path.normpath(environment.path)))
+        binds.append(Bind(os.path.normpath(environment.path), ours=True))
     for volume in job.volumes:
         binds.append(Bind(os.path.normpath(volume["path"]), writable=volume.get("mode") == "rw"))
     return tuple(binds)
@@ -427,3 +552,57 @@ def start_checks() -> tuple[str, str]:
     except JobUserError as exc:
         log.info("container jobs cannot start here: %s", exc)
     return isolation_mode, reason
+
+
+def try_as_job(command: list[str], roots: list[str], timeout: float = 60) -> tuple[int, str]:
+    """Run `command` as a job would run on this node: a uid of the range, in a sandbox (or as
+    that uid without one) that binds the interpreter prefixes `roots` as a job's would; its
+    (exit code, output). Environments are checked this way before jobs are given them."""
+    from django.conf import settings
+
+    isolation_mode, _ = mode()
+    if isolation_mode == ISOLATION_NONE:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return done.returncode, done.stdout + done.stderr
+    prepare_node(settings.DATA_DIR, settings.HANGAR_JOB_WORKDIR, sandboxed=isolation_mode == ISOLATION_SANDBOX)
+    uid = job_uid(0, settings.HANGAR_JOB_UID_RANGE, uids_in_use())
+    scratch = Path(tempfile.mkdtemp(prefix=".check-", dir=settings.HANGAR_JOB_WORKDIR))
+    try:
+        os.chown(scratch, uid, uid)
+        found = tools()
+        if isolation_mode == ISOLATION_SANDBOX:
+            box = Sandbox(uid=uid, workdir=str(scratch), hidden=hidden_paths(settings), bwrap=found.bwrap,
+                          setpriv=found.setpriv)  # fmt: skip
+            box = replace(box, tools=reach.tools_to_bind(roots, view_of(box)))
+            box = reachable(box, staging_roots(settings))
+            view, argv = view_of(box), bwrap_argv(box, command)
+        else:
+            view = reach.View(sandboxed=False)
+            # setpriv resolves its program with root's search rights still in effect: a shell,
+            # already the uid's, makes the exec a job's would be (its PATH lookup included).
+            drop = [found.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+            argv = [*drop, "/bin/sh", "-c", 'exec "$0" "$@"', *command]
+        first = [str(Path(command[0]).parent)] if "/" in command[0] else []
+        env = {"PATH": reach.job_path(os.environ.get("PATH", os.defpath), first, view), "HOME": str(scratch)}
+        done = subprocess.run(
+            argv, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+        return done.returncode, done.stdout + done.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 126, str(exc)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+PYTHON_PROBE = "import sys; print('python', sys.version.split()[0], sys.prefix)"
+
+
+def python_problem(python: str) -> tuple[str, str]:
+    """(what `python` is, as a job runs it, e.g. "Python 3.11.7 at /opt/venv/bin/python"; why a
+    job cannot run it, or ""): checked by running it as a job uid in a sandbox."""
+    code, output = try_as_job([python, "-c", PYTHON_PROBE], reach.python_roots(python))
+    said = [line for line in output.splitlines() if line.startswith("python ")]
+    if code == 0 and said:
+        return f"Python {said[-1].split()[1]} at {python}", ""
+    tail = " ".join(output.split())[-300:] or f"exit code {code}"
+    return python, f"a job's uid cannot run {python} on this node: {tail}"

@@ -73,6 +73,9 @@ class Node(models.Model):
         max_length=16, default="none", help_text="sandbox, uid or none, as its agent reported."
     )
     isolation_reason = models.TextField(blank=True, help_text="Why isolation is less than a sandbox.")
+    # The Python a job's plain `python` runs, as its agent ran it as a job uid at start (agent/sandbox.py).
+    job_python = models.CharField(max_length=500, blank=True, help_text="A job's `python` here, as checked.")
+    job_python_problem = models.TextField(blank=True, help_text="Why a job's uid cannot run it, and the fix.")
 
     objects = NodeQuerySet.as_manager()
 

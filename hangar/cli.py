@@ -183,6 +183,8 @@ def job_spec(args) -> dict:
         spec["python_version"] = args.python
     if args.ray:
         spec["launcher"] = "ray"
+    if getattr(args, "torchrun", False):
+        spec["launcher"] = "torchrun"
     for after in args.after or []:
         job, _, condition = after.partition(":")
         if not job.isdigit() or condition not in ("", "succeeded", "finished"):
@@ -782,6 +784,31 @@ def cmd_pipeline_rerun(args) -> int:
     return EXIT_OK
 
 
+def cmd_env_list(args) -> int:
+    environments = api_from(args).pages("/api/v1/environments/")
+    rows = [{**e, "requirements": " ".join(e.get("requirements") or [])} for e in environments]
+    emit(args, environments, table(rows, ["name", "kind", "python_version", "requirements", "description"]))
+    return EXIT_OK
+
+
+def cmd_env_rebuild(args) -> int:
+    done = api_from(args).post(f"/api/v1/environments/{args.name}/rebuild/", {})
+    emit(args, done, done.get("message", f"{args.name}: rebuild requested"))
+    return EXIT_OK
+
+
+def env_commands(sub, common) -> None:
+    """`hangar env list|rebuild`."""
+    group = sub.add_parser("env", parents=[common], help="environments: list them; drop a cached one on every node")
+    commands = group.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND")
+    p = commands.add_parser("list", parents=[common], help="the environments jobs may name")
+    p.set_defaults(func=cmd_env_list)
+    help = "every node drops its cached copies of NAME (an environment, or a hash prefix from a node page)"
+    p = commands.add_parser("rebuild", parents=[common], help=help, description=help)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_env_rebuild)
+
+
 def pipeline_commands(sub, common) -> None:
     """`hangar pipeline run|status|list|cancel|rerun`."""
     group = sub.add_parser("pipeline", parents=[common], help="run and follow pipelines (stages with needs)")
@@ -850,6 +877,11 @@ def parser() -> argparse.ArgumentParser:
         "--ray",
         action="store_true",
         help="run on a Ray cluster of its nodes: rank 0 runs the command as the driver (needs --pip ray==...)",
+    )
+    p.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="start the command with torchrun: one process per GPU on each node, with RANK, LOCAL_RANK, WORLD_SIZE",
     )
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE")
     p.add_argument("--secret-env", action="append", metavar="NAME=VALUE", help="never shown back")
@@ -953,6 +985,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--reason", required=True)
 
     pipeline_commands(sub, common)
+    env_commands(sub, common)
 
     command("skill", cmd_skill, "print the skill file: the experiment loop for AI agents (commands, exit codes, JSON)")
 

@@ -45,9 +45,14 @@ class JobForm(forms.Form):
         help_text="With requirements, e.g. 3.11; blank: the node's.",
     )
     launcher = forms.ChoiceField(
-        choices=[("", "the command on every rank"), ("ray", "Ray: a cluster of its nodes, the command as driver")],
+        choices=[
+            ("", "the command on every rank"),
+            ("torchrun", "torchrun: one process per GPU (torch.distributed.run)"),
+            ("ray", "Ray: a cluster of its nodes, the command as driver"),
+        ],
         required=False,
-        help_text="Ray needs ray in its requirements (e.g. ray==2.60.0): rank 0 runs the command with RAY_ADDRESS set.",
+        help_text="torchrun needs torch in the job's Python. Ray needs ray in its requirements (e.g. ray==2.60.0): "
+        "rank 0 runs the command with RAY_ADDRESS set.",
     )
     max_retries = forms.IntegerField(
         label="Retries", initial=0, required=False, help_text="Times to run it again if the command itself fails."

@@ -165,7 +165,7 @@ def requirements_problem(environment, requirements: list[str], python_version: s
     return None
 
 
-LAUNCHERS = ("", "ray")
+LAUNCHERS = ("", "ray", "torchrun")
 RAY_EXAMPLE = '"requirements": ["ray==2.60.0"] (CLI: --pip ray==2.60.0)'
 
 
@@ -180,7 +180,9 @@ def launcher_problem(launcher: str, environment, requirements: list[str]) -> str
     if not launcher:
         return None
     if launcher not in LAUNCHERS:
-        return f"{launcher!r} is not a launcher; use ray, or leave it out to run the command on every rank"
+        return f"{launcher!r} is not a launcher; use ray or torchrun, or leave it out to run the command on every rank"
+    if launcher == "torchrun":
+        return None  # torch.distributed.run from the job's Python: a missing torch fails the start, saying so
     if environment is not None and environment.kind == "container":
         return (
             f"launcher ray starts ray on the node itself, but environment {environment.name} is a container; "

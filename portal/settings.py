@@ -529,6 +529,9 @@ def env_uid_range(name: str, default: str) -> tuple[int, int] | None:
 # and, with HANGAR_SANDBOX on, inside bubblewrap namespaces that show it only its own files.
 HANGAR_JOB_UID_RANGE = env_uid_range("HANGAR_JOB_UID_RANGE", "200000-299999")
 HANGAR_SANDBOX = env_bool("HANGAR_SANDBOX", True)
+# The Python a job's plain `python` runs (its bin/ goes first on the job's PATH); empty: the
+# agent's own, whose virtualenv has the MLflow client. Bound into the sandbox wherever it lives.
+HANGAR_JOB_PYTHON = env_str("HANGAR_JOB_PYTHON")
 # Directories volumes may live in (comma-separated absolute paths); empty: any absolute path.
 # A sandboxed job sees none of them but the volumes it mounts, as it mounted them (ro or rw).
 HANGAR_VOLUME_ROOTS = [os.path.normpath(p) for p in env_list("HANGAR_VOLUME_ROOTS", [])]

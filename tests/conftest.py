@@ -6,12 +6,11 @@ import pytest
 
 from portal.models import Role
 from tests.factories import make_node, make_project, make_user
-from tests.livestack import UNSANDBOXED
 
-# The suite's jobs run as the test's own user, unsandboxed (its interpreter may be out of
-# other uids' reach); tests/test_sandbox.py and the agent drills turn isolation on.
-for name, value in UNSANDBOXED.items():
-    os.environ.setdefault(name, value)
+# The suite runs as users do: as root, every job in its sandbox as a uid of its own (the
+# default). A test whose subject is isolation being off turns it off itself.
+os.environ.setdefault("HANGAR_SANDBOX", "on")
+os.environ.setdefault("HANGAR_JOB_UID_RANGE", "200000-299999")
 
 
 JOB_IDS_PER_WORKER = 10_000  # a worker makes fewer; the uid range (100,000) holds ten workers

@@ -33,8 +33,8 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
-# A stack whose jobs run this interpreter, which job uids may not reach (pyenv's under /root):
-# jobs run as the agent's user, unsandboxed. (bench/start_latency.py --sandbox measures the sandbox.)
+# Isolation off: for benches that measure the control plane without the sandbox's own cost
+# (bench/start_latency.py --sandbox compares both); stacks are sandboxed by default, as users' are.
 UNSANDBOXED = {"HANGAR_SANDBOX": "off", "HANGAR_JOB_UID_RANGE": "off"}
 
 
@@ -58,7 +58,13 @@ class LiveStack:
         data_dir: str | None = None,
         local_agent: bool = True,
         scheduler: bool = True,
+        checkout: Path | None = None,
     ):
+        # `checkout`: another copy of Hangar (a clone with its own .venv), started as the README
+        # says (`make start`); by default this one, with this interpreter.
+        self.base_dir = Path(checkout or BASE_DIR)
+        self.python = str(self.base_dir / ".venv" / "bin" / "python") if checkout else sys.executable
+        self.via_make = checkout is not None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="hangar-stack-"))
         self.port = free_port()
         self.password = secrets.token_urlsafe(12)
@@ -75,6 +81,9 @@ class LiveStack:
             # Its own rendezvous ports (MASTER_PORT = base + attempt id % 1000): stacks of parallel
             # test workers number their attempts alike, and would meet on the same ports.
             "HANGAR_MASTER_PORT_BASE": str(random.randrange(4000, 17000)),
+            # Sandboxed as users' are, but not in the unit tests' uid range: a unit test's job N
+            # runs as 200000 + N, and a stack's job N, beside it on this machine, would take it.
+            "HANGAR_JOB_UID_RANGE": "300000-399999",
             **(env or {}),
         }
         self.local_agent = local_agent
@@ -92,7 +101,12 @@ class LiveStack:
 
     def manage(self, *args: str) -> str:
         done = subprocess.run(
-            [sys.executable, "manage.py", *args], cwd=BASE_DIR, env=self.env, capture_output=True, text=True, check=True
+            [self.python, "manage.py", *args],
+            cwd=self.base_dir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         return done.stdout.strip()
 
@@ -117,15 +131,11 @@ class LiveStack:
 
     def _launch(self) -> None:
         with open(self.log_path, "ab") as out:
+            options = [*([] if self.local_agent else ["--no-agent"]), *([] if self.scheduler else ["--no-scheduler"])]
+            argv = ["make", "start"] if self.via_make else [self.python, "manage.py", "up", *options]
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "manage.py",
-                    "up",
-                    *([] if self.local_agent else ["--no-agent"]),
-                    *([] if self.scheduler else ["--no-scheduler"]),
-                ],
-                cwd=BASE_DIR,
+                argv,
+                cwd=self.base_dir,
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -210,7 +220,9 @@ class LiveStack:
             client.close()
         self.clients.clear()
         for proc in [*self.agents.values(), self.proc]:
-            if proc is not None and proc.poll() is None:
+            if proc is not None and proc.poll() is None and proc is self.proc and self.via_make:
+                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at make's terminal: its whole group
+            elif proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGINT if proc is self.proc else signal.SIGTERM)
         for proc in [*self.agents.values(), self.proc]:
             if proc is None:

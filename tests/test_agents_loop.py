@@ -16,7 +16,7 @@ import pytest
 
 from hangar import cli
 from hangar.snapshots import pack
-from tests.livestack import BASE_DIR, UNSANDBOXED, LiveStack
+from tests.livestack import BASE_DIR, LiveStack
 
 PY = sys.executable
 EXAMPLE = BASE_DIR / "examples" / "autoresearch"
@@ -90,7 +90,7 @@ def test_the_driver_edits_only_its_constants_and_proposes_four_distinct_neighbou
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    env = {**UNSANDBOXED, "HANGAR_SIM_GPUS": "4"}  # one node of 4: a round's variants run at once
+    env = {"HANGAR_SIM_GPUS": "4"}  # one node of 4: a round's variants run at once
     with LiveStack(env=env, data_dir=str(tmp_path_factory.mktemp("agents-stack"))) as live:
         yield live
 

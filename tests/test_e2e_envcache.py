@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.livestack import UNSANDBOXED, LiveStack
+from tests.livestack import LiveStack
 
 pytestmark = pytest.mark.e2e
 
@@ -17,7 +17,7 @@ DONE = ("succeeded", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LiveStack(data_dir=str(tmp_path_factory.mktemp("envs")), env=UNSANDBOXED) as stack:
+    with LiveStack(data_dir=str(tmp_path_factory.mktemp("envs"))) as stack:
         yield stack
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.livestack import BASE_DIR, UNSANDBOXED, LiveStack
+from tests.livestack import BASE_DIR, LiveStack
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
@@ -29,7 +29,7 @@ CRASH = "print('loading', flush=True)\nraise ValueError('the learning rate is ne
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LiveStack(env=UNSANDBOXED, data_dir=str(tmp_path_factory.mktemp("results-stack"))) as live:
+    with LiveStack(data_dir=str(tmp_path_factory.mktemp("results-stack"))) as live:
         yield live
 
 

@@ -176,6 +176,7 @@ print("READY", prepared.path, flush=True)
 
 def build_in_a_process(cache_dir: Path, requirements: list[str]) -> subprocess.Popen:
     env = {**os.environ, "HANGAR_ENV_CACHE_DIR": str(cache_dir), "HANGAR_DATA_DIR": str(cache_dir.parent / "data")}
+    env["HANGAR_JOB_UID_RANGE"] = "off"  # no database here: the build's check as a job uid reads registered volumes
     return subprocess.Popen(
         [sys.executable, "-c", BUILD, *requirements],
         cwd=BASE_DIR,
@@ -346,19 +347,23 @@ except OSError as exc:
 
 
 @as_root
-def test_a_sandboxed_job_runs_in_its_cached_environment_as_its_own_uid(transactional_db, project, owner, settings):
+@pytest.mark.parametrize("pythons", [[], [SYSTEM_PYTHON]], ids=["the-nodes-default-python", "debians-python"])
+def test_a_sandboxed_job_runs_in_its_cached_environment_as_its_own_uid(
+    transactional_db, project, owner, settings, pythons
+):
+    # The node's default Python is pyenv's here, under /root: job uids reach it through the sandbox.
     from agent import runner as execution
 
     settings.HANGAR_SANDBOX = True
     settings.HANGAR_JOB_UID_RANGE = (200000, 299999)
-    settings.HANGAR_ENV_PYTHONS = [SYSTEM_PYTHON]
+    settings.HANGAR_ENV_PYTHONS = pythons
     settings.HANGAR_ENV_CACHE_DIR = settings.DATA_DIR / f"envs-test-{uuid.uuid4().hex[:8]}"  # hidden, bound back
     from django.utils import timezone
 
     from fleet.models import GPU
 
     GPU.objects.filter(node=make_node("node-a", gpus=1)).update(temperature_c=35, sampled_at=timezone.now())
-    job = make_job(project, owner, command=["python", "-c", IN_SANDBOX], requirements=["six==1.17.0"])
+    make_job(project, owner, command=["python", "-c", IN_SANDBOX], requirements=["six==1.17.0"])
     try:
         (attempt,) = scheduler.schedule_pass()
         execution.run_attempt(attempt.pk)
@@ -370,7 +375,10 @@ def test_a_sandboxed_job_runs_in_its_cached_environment_as_its_own_uid(transacti
         shutil.rmtree(settings.HANGAR_ENV_CACHE_DIR, ignore_errors=True)
     assert attempt.state == "succeeded", (attempt.reason, lines)
     ran = next(text for text in lines if text.startswith("uid "))
-    assert ran.startswith(f"uid {200000 + job.pk} six 1.17.0 prefix {settings.HANGAR_ENV_CACHE_DIR}/envs/")
+    uid = int(ran.split()[1])  # 200000 + its id, or the next free one (agent/sandbox.py job_uid)
+    assert 200000 <= uid <= 299999 and ran.startswith(
+        f"uid {uid} six 1.17.0 prefix {settings.HANGAR_ENV_CACHE_DIR}/envs/"
+    )
     assert any(t.startswith("write refused:") for t in lines), lines
     assert attempt.environment["python"].startswith("cpython-3.11")
 
@@ -413,3 +421,100 @@ def test_the_cli_status_tells_the_requirements_and_the_environment_an_attempt_ra
         "  env:      ffffffffffff cpython-3.11.7-linux-x86_64, cached: six==1.17.0",
     ]
     assert cli.describe_environment({"requirements": [], "attempts": []}) == []
+
+
+# --- an environment is checked before it is offered, and rebuilt on request -----------------
+
+
+def meta_of(store: Cache, hash_: str) -> dict:
+    return json.loads((store.env(hash_) / envcache.META).read_text())
+
+
+def runnable_entry(store: Cache, hash_: str, interpreter: str, **meta) -> None:
+    fake_entry(store, hash_, 10, time.time(), f"key-{hash_[0]}")
+    (store.env(hash_) / "bin").mkdir()
+    (store.env(hash_) / "bin" / "python").symlink_to(interpreter)
+    fields = {**meta_of(store, hash_), "interpreter": interpreter, "checked_as_job": True, **meta}
+    (store.env(hash_) / envcache.META).write_text(json.dumps(fields))
+
+
+def test_a_cached_environment_is_reused_only_for_the_interpreter_it_was_built_from(tmp_path):
+    store = Cache(tmp_path)
+    runnable_entry(store, "a" * 64, sys.executable)
+    runnable_entry(store, "b" * 64, sys.executable, checked_as_job=False)  # built before the check existed
+
+    assert store.usable("a" * 64, sys.executable)
+    assert not store.usable("a" * 64, "/usr/bin/python3")  # the operator changed HANGAR_ENV_PYTHONS
+    assert not store.usable("b" * 64, sys.executable)
+    assert env_hash(["six==1.17.0"], "cpython-3.11.2", "/usr/bin/python3.11") != env_hash(
+        ["six==1.17.0"], "cpython-3.11.2", "/opt/other/bin/python3.11"
+    )
+
+
+@as_root
+def test_an_environment_whose_python_a_job_uid_cannot_run_is_never_kept(transactional_db, tmp_path, settings):
+    settings.HANGAR_SANDBOX, settings.HANGAR_JOB_UID_RANGE = True, (200000, 299999)
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    python = env / "bin" / "python"
+    python.write_text("#!/bin/sh\necho never\n")
+    python.chmod(0o700)  # root's alone: what a job uid meets in an environment built with umask 077
+    for path in (tmp_path, env, env / "bin"):
+        path.chmod(0o755)
+
+    with pytest.raises(envcache.BuildFailed) as failed:
+        envcache.check_as_job(env, "e" * 64)
+
+    assert failed.value.failure_class == "infra"
+    assert "a job's uid cannot run its Python on this node" in failed.value.reason
+    assert "HANGAR_ENV_PYTHONS" in failed.value.reason
+
+
+def test_a_rebuild_request_drops_on_each_node_what_it_built_before(db, tmp_path, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.models import EnvironmentRebuild
+
+    settings.HANGAR_ENV_CACHE_DIR = tmp_path
+    store = Cache(tmp_path)
+    before = (timezone.now() - timedelta(minutes=5)).isoformat()
+    runnable_entry(store, "a" * 64, sys.executable, environment="ai", built_at=before)
+    runnable_entry(store, "b" * 64, sys.executable, environment="other", built_at=before)
+    runnable_entry(store, "c" * 64, sys.executable, environment="", built_at=before)
+    runnable_entry(store, "d" * 64, sys.executable, environment="ai", built_at=before)
+    held = store.lock("d" * 64)
+    fcntl.flock(held, fcntl.LOCK_SH)  # a running job holds it: it goes at a later heartbeat
+    EnvironmentRebuild.objects.create(target="ai")
+    EnvironmentRebuild.objects.create(target="c" * 12)  # a hash prefix, as a node page shows it
+
+    gone = envcache.apply_rebuilds(store)
+
+    assert sorted(gone) == ["a" * 64, "c" * 64]
+    assert sorted(p.name for p in (tmp_path / "envs").iterdir()) == ["b" * 64, "d" * 64]
+    os.close(held)
+    assert envcache.apply_rebuilds(store) == ["d" * 64]
+    runnable_entry(store, "a" * 64, sys.executable, environment="ai", built_at=timezone.now().isoformat())
+    assert envcache.apply_rebuilds(store) == []  # built after the request: kept
+
+
+def test_only_operators_ask_every_node_to_rebuild_an_environment(db, owner):
+    from django.contrib.auth import get_user_model
+
+    from jobs.models import EnvironmentRebuild
+
+    operator = get_user_model().objects.create_user("operator", password="pw", is_staff=True)
+
+    refused = api_client(owner).post("/api/v1/environments/ai/rebuild/")
+    done = api_client(operator).post("/api/v1/environments/ai/rebuild/")
+    by_hash = api_client(operator).post("/api/v1/environments/0123abcd/rebuild/")
+    unknown = api_client(operator).post("/api/v1/environments/no-such/rebuild/")
+
+    assert refused.status_code == 403
+    assert done.status_code == 202 and "at its next heartbeat" in done.json()["message"]
+    assert by_hash.status_code == 202
+    assert unknown.status_code == 400 and unknown.json()["errors"][0]["field"] == "name"
+    assert list(EnvironmentRebuild.objects.values_list("target", flat=True)) == ["0123abcd", "ai"]
+    listed = api_client(owner).get("/api/v1/environments/").json()
+    assert "ai" in [e["name"] for e in (listed["results"] if isinstance(listed, dict) else listed)]

@@ -27,6 +27,7 @@ def job_user(settings):
     root.chmod(0o755)
     settings.HANGAR_JOB_WORKDIR = root
     settings.HANGAR_JOB_USER = "nobody"
+    settings.HANGAR_JOB_UID_RANGE = None  # the subject: jobs as one named user, not a uid of their own
     yield pwd.getpwnam("nobody")
     shutil.rmtree(root)
 
@@ -71,11 +72,13 @@ def test_a_missing_job_user_fails_the_attempt_instead_of_running_as_the_agent(
     transactional_db, project, owner, settings
 ):
     settings.HANGAR_JOB_USER = "no-such-user-here"
+    settings.HANGAR_JOB_UID_RANGE = None  # the subject: jobs as one named user
     job = make_job(project, owner, command=["/bin/sh", "-c", "echo ran"])
 
     attempt, lines = run_one(job)
 
     assert attempt.state == AttemptState.FAILED and "ran" not in lines
+    assert attempt.failure_class == "infra"  # the node's setting, never the user's
     assert "HANGAR_JOB_USER='no-such-user-here' is no user on this node" in attempt.reason
 
 

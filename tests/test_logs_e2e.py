@@ -45,22 +45,22 @@ def all_lines(live, job_id: int, **filters) -> list[dict]:
 
 
 def test_ranks_writing_one_attempt_at_once_get_one_gap_free_sequence(stack):  # noqa: F811
-    done = stack.data_dir / "extra-ranks-done"  # rank 0 stays running until the extra ranks wrote
     job = stack.submit(
         script(
-            f"""
+            """
             import os, time
             for i in range(2000):
-                print(f"rank 0 line {{i}}", flush=True)
+                print(f"rank 0 line {i}", flush=True)
                 if i % 20 == 0:
                     time.sleep(0.05)
-            deadline = time.time() + 150
-            while not os.path.exists({str(done)!r}) and time.time() < deadline:
+            deadline = time.time() + 150  # rank 0 stays running until the extra ranks wrote
+            while not os.path.exists("extra-ranks-done") and time.time() < deadline:
                 time.sleep(0.1)
             """
         ),
         name="ranks",
     )
+    done = stack.data_dir / "jobs" / str(job["id"]) / "extra-ranks-done"  # in its own directory: it sees that
     stack.wait_for(job["id"], ("running",))
     ranks = [
         subprocess.Popen(

@@ -35,6 +35,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "simulated",
             "isolation",
             "isolation_reason",
+            "job_python",
+            "job_python_problem",
             "last_heartbeat_at",
             "gpus",
         ]

@@ -245,9 +245,11 @@ class JobSubmitSerializer(serializers.Serializer):
         required=False,
         allow_blank=True,
         help_text="ray: the job's nodes form a Ray cluster (ray from its requirements) and rank 0 runs the command "
-        "as its driver with RAY_ADDRESS set; blank: the command runs on every rank.",
+        "as its driver with RAY_ADDRESS set; torchrun: torch.distributed.run starts one process per GPU on each "
+        "node (nproc_per_node = gpus_per_node) with the torchrun variables; blank: the command runs once per node.",
         error_messages={
-            "invalid_choice": '"{input}" is not a launcher; use "ray", or leave it out to run the command on every rank'
+            "invalid_choice": '"{input}" is not a launcher; use "ray" or "torchrun", or leave it out to run the '
+            "command once per node"
         },
     )
     max_runtime_seconds = serializers.IntegerField(

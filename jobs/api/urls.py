@@ -2,6 +2,7 @@ from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from jobs.api.costs import CostJobsView, CostSummaryView
+from jobs.api.environments import EnvironmentViewSet
 from jobs.api.experiments import JobMetricsView
 from jobs.api.logs import JobLogDownloadView, JobLogsView
 from jobs.api.notify import SubscriptionViewSet
@@ -16,6 +17,7 @@ router.register("jobs", JobViewSet, basename="api-job")
 router.register("sweeps", SweepViewSet, basename="api-sweep")
 router.register("pipelines", PipelineViewSet, basename="api-pipeline")
 router.register("subscriptions", SubscriptionViewSet, basename="api-subscription")
+router.register("environments", EnvironmentViewSet, basename="api-environment")
 urlpatterns = [
     path("queue/", QueueView.as_view(), name="api-queue"),
     path("priorities/", PriorityListView.as_view(), name="api-priorities"),

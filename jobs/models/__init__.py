@@ -3,7 +3,7 @@ attempts, log lines, cost, code snapshots. Everything is re-exported here: `from
 
 from jobs.models.attempt import Attempt, lease_from, requeue_for
 from jobs.models.cost import Budget, CostDaily, GpuRate, JobCost, attempt_cost_of, next_month
-from jobs.models.environment import Environment, EnvironmentKind
+from jobs.models.environment import Environment, EnvironmentKind, EnvironmentRebuild
 from jobs.models.job import Job, JobEvent, JobQuerySet, Launcher
 from jobs.models.logs import LogLine, Severity, Stream
 from jobs.models.notify import Channel, Delivery, DeliveryState, Event, Subscription
@@ -35,6 +35,7 @@ __all__ = [
     "DeliveryState",
     "Environment",
     "EnvironmentKind",
+    "EnvironmentRebuild",
     "Event",
     "FailureClass",
     "GpuRate",

@@ -177,6 +177,17 @@ class Attempt(models.Model):
             Attempt.objects.filter(pk=self.pk).update(tracking_digests=self.tracking_digests)
         return True
 
+    def rank_exited(self, rank: int, code: int, at: float, stopped: bool) -> bool:
+        """Record how one rank's process ended, for the diagnosis (which rank failed first: the
+        order of exits, not of stored lines); True when every rank's end is recorded."""
+        with transaction.atomic():
+            row = Attempt.objects.select_for_update(no_key=True).filter(pk=self.pk).values("rank_status").first()
+            if row is None:
+                return False
+            self.rank_status = {**row["rank_status"], str(rank): {"exit": code, "at": at, "stopped": stopped}}
+            Attempt.objects.filter(pk=self.pk).update(rank_status=self.rank_status)
+        return all(self.rank_status.get(str(r["rank"])) is not None for r in self.ranks)
+
     def rank_succeeded(self, rank: int) -> bool:
         """Record that one rank exited 0; True when every rank has, so the attempt succeeded."""
         with transaction.atomic():

@@ -3,8 +3,11 @@ job's cached environment is built from (agent/envcache.py builds it on the node)
 
 import hashlib
 import json
+from datetime import datetime
 
+from django.conf import settings
 from django.db import models, transaction
+from django.utils import timezone
 
 from portal import wakeup
 
@@ -74,6 +77,28 @@ class Environment(models.Model):
                 environment.nodes.add(node)
         wakeup.request_pass(queue_changed=False)  # what the node can run changed, and it may be new: place work now
         return sorted(set(names) - set(known))
+
+
+class EnvironmentRebuild(models.Model):
+    """An operator's request that every node drop the cached environments it built for a named
+    environment (or the one whose hash starts with `target`): the next job builds them anew
+    (`hangar env rebuild NAME`). Each agent applies it at its next heartbeat (agent/envcache.py);
+    an environment a running job holds goes once that job ends."""
+
+    target = models.CharField(max_length=64)
+    requested_at = models.DateTimeField(default=timezone.now, db_index=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+
+    class Meta:
+        ordering = ["-requested_at"]
+
+    def __str__(self) -> str:
+        return f"rebuild {self.target}"
+
+    def covers(self, environment: str, hash_: str, built_at: datetime | None) -> bool:
+        """Whether this request drops a cached environment built for `environment` at `built_at`."""
+        named = self.target == environment or (len(self.target) >= 8 and hash_.startswith(self.target))
+        return named and (built_at is None or built_at < self.requested_at)
 
 
 KEY_VERSION = "hangar-env-1"

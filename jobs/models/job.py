@@ -38,6 +38,7 @@ class Launcher(models.TextChoices):
 
     COMMAND = "", "the command on every rank"
     RAY = "ray", "a Ray cluster; rank 0 runs the command as its driver"
+    TORCHRUN = "torchrun", "torch.distributed.run: one process per GPU on every node"
 
 
 class JobQuerySet(models.QuerySet):

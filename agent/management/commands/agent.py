@@ -5,7 +5,7 @@ from celery.signals import worker_shutting_down
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import network, runner, sandbox, tasks  # noqa: F401  (tasks: registers what this worker consumes)
+from agent import network, reach, runner, sandbox, tasks  # noqa: F401  (tasks: registers what this worker consumes)
 from agent.node import Agent, default_node_name
 from fleet.gpus import SIMULATED_MODELS, detect_provider
 from jobs.models import Environment
@@ -63,6 +63,7 @@ class Command(BaseCommand):
         agent = Agent(node, detect_provider(node, simulate, sim_model, sim_gpus), settings.HANGAR_HEARTBEAT_SECONDS)
         agent.address, agent.network_interface = address, interface
         agent.isolation = sandbox.start_checks()  # bwrap, setpriv, the docker client: found once, with our PATH
+        agent.job_python = sandbox.python_problem(reach.default_python())  # run as a job uid, in a sandbox
         registered = agent.register(accept_inventory=accept_inventory)
         kind = "simulated" if registered.simulated else "NVML"
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
@@ -71,6 +72,10 @@ class Command(BaseCommand):
         self.stdout.flush()  # seen at once where stdout is a file (a service's log)
         if agent.isolation[1]:
             self.stderr.write(f"WARNING: isolation: {agent.isolation[0]}: {agent.isolation[1]}")
+        if agent.job_python[1]:
+            self.stderr.write(f"ERROR: {agent.job_python[1]}; set HANGAR_JOB_PYTHON to a Python job uids can run")
+        else:
+            self.stdout.write(f"node {registered.name}: a job's python is {agent.job_python[0]}")
         names = [n.strip() for n in environments.split(",") if n.strip()]
         if unknown := Environment.advertise(registered, names):
             self.stderr.write(f"unknown environments ignored: {', '.join(unknown)} (define them in the admin)")
