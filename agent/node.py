@@ -48,6 +48,7 @@ class Agent:
         self.isolation: tuple[str, str] = ("none", "")
         # (what a job's `python` is here, why a job uid cannot run it): checked at start.
         self.job_python: tuple[str, str] = ("", "")
+        self.refused_environments: dict[str, str] = {}  # name -> why a job uid cannot run its Python here
         # Where the other nodes reach this one (agent/network.py); the command sets them.
         self.address = ""
         self.network_interface = ""
@@ -81,6 +82,7 @@ class Agent:
                     "isolation_reason": self.isolation[1],
                     "job_python": self.job_python[0],
                     "job_python_problem": self.job_python[1],
+                    "refused_environments": self.refused_environments,
                 },
             )
             node.gpus.exclude(index__in=listed + vanished).delete()

@@ -606,3 +606,16 @@ def python_problem(python: str) -> tuple[str, str]:
         return f"Python {said[-1].split()[1]} at {python}", ""
     tail = " ".join(output.split())[-300:] or f"exit code {code}"
     return python, f"a job's uid cannot run {python} on this node: {tail}"
+
+
+def unrunnable_environments(names: list[str]) -> dict[str, str]:
+    """The host environments (a virtualenv or prefix) among `names` whose Python a job uid cannot
+    run on this node, with why: they are not advertised, so no job is placed here to die."""
+    from jobs.models import Environment, EnvironmentKind
+
+    refused = {}
+    for environment in Environment.objects.filter(name__in=names, kind=EnvironmentKind.HOST).exclude(path=""):
+        python = Path(environment.path) / "bin" / "python"
+        if python.exists() and (problem := python_problem(str(python))[1]):
+            refused[environment.name] = problem
+    return refused

@@ -76,6 +76,11 @@ class Node(models.Model):
     # The Python a job's plain `python` runs, as its agent ran it as a job uid at start (agent/sandbox.py).
     job_python = models.CharField(max_length=500, blank=True, help_text="A job's `python` here, as checked.")
     job_python_problem = models.TextField(blank=True, help_text="Why a job's uid cannot run it, and the fix.")
+    refused_environments = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Environments it was asked to run whose Python a job uid cannot run here: why.",
+    )
 
     objects = NodeQuerySet.as_manager()
 

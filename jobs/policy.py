@@ -447,6 +447,15 @@ def not_ready_detail(request: Request, waiting: Waiting, unready: list[UnreadyNo
     )
 
 
+def refused_detail(request: Request, waiting: Waiting, refusals: dict[str, list[str]]) -> Waiting:
+    """A job waiting for an environment that nodes were asked to run but refused (its Python does
+    not run as a job uid there): told with where and why, so the operator knows what to fix."""
+    told = refusals.get(request.environment) if waiting.code == "environment" else None
+    if not told:
+        return waiting
+    return Waiting(waiting.code, f"{waiting.message}; refused by {'; '.join(told[:3])}")
+
+
 def choose_victims(request: Request, index: FleetIndex, candidates: list[RunningAttempt]):
     """The cheapest set of attempts to stop (fewest GPU-hours lost, those already
     stopping cost nothing) so the request fits: per node, take victims cheapest

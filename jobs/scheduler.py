@@ -54,6 +54,7 @@ from jobs.policy import (  # noqa: F401  (place and friends are this module's pu
     not_ready_detail,
     place,
     plan,
+    refused_detail,
 )
 from portal import statements, wakeup
 from portal.celery import app
@@ -486,6 +487,15 @@ def unready_nodes(schedulable: set[int]) -> list[UnreadyNode]:
     return [UnreadyNode(n, m, c, "silent" if s == "ready" else s, r) for n, m, c, s, r in rows]
 
 
+def refused_environments() -> dict[str, list[str]]:
+    """Environment name -> "node: why" for the nodes that would not offer it (agent/sandbox.py)."""
+    out: dict[str, list[str]] = {}
+    for name, refused in Node.objects.exclude(refused_environments={}).values_list("name", "refused_environments"):
+        for environment, why in refused.items():
+            out.setdefault(environment, []).append(f"{name}: {why}")
+    return out
+
+
 def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     """Every queued job in order with why it waits and when it should start, read
     without locks (a dry run of the next pass); and the reasons by job id."""
@@ -500,13 +510,16 @@ def queue_report(now=None) -> tuple[list[dict], dict[int, dict]]:
     decided = plan(jobs, free_gpus(nodes, running, envs, caches), running, projects)
     starts = estimate_starts(jobs, free_gpus(nodes, running, envs, caches), running)
     starting = {p.job_id for p in decided.placements}
-    rows = []
+    rows, refusals = [], None
     for position, job in enumerate(jobs, start=1):
         waiting = decided.waiting.get(job.job_id)
         if job.job_id in starting:
             reason = {"code": "starting", "message": "fits now: starts at the next scheduling pass"}
         elif waiting is not None:
             waiting = not_ready_detail(job.request, waiting, unready)
+            if waiting.code == "environment":
+                refusals = refused_environments() if refusals is None else refusals
+                waiting = refused_detail(job.request, waiting, refusals)
             reason = {"code": waiting.code, "message": waiting.message}
         else:
             reason = {"code": "capacity", "message": "waiting for free GPUs"}

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from agent import reach, sandbox
@@ -281,3 +282,32 @@ def test_a_staged_directory_removed_and_made_anew_is_staged_again(tmp_path):
         assert not os.listdir(stage.stage_dir)  # the host's mount table never changed
     finally:
         stage.holder.kill()
+
+
+@as_root
+def test_an_environment_a_job_uid_cannot_run_is_not_offered_and_the_queue_says_why(
+    transactional_db, project, owner, sandboxed, tmp_path
+):
+    from jobs.models import Environment, EnvironmentKind
+    from jobs.scheduler import queue_report
+
+    closed = tmp_path / "venv"  # made by root with umask 077: its bin/ is root's alone
+    (closed / "bin").mkdir(parents=True)
+    (closed / "bin" / "python").symlink_to(sys.executable)
+    for path in (tmp_path, closed):
+        path.chmod(0o755)
+    Environment.objects.create(name="closed", kind=EnvironmentKind.HOST, path=str(closed))
+    Environment.objects.create(name="fine", kind=EnvironmentKind.HOST, path=str(Path(sys.executable).parent.parent))
+
+    refused = sandbox.unrunnable_environments(["closed", "fine"])
+
+    assert list(refused) == ["closed"] and "a job's uid cannot run" in refused["closed"]
+    node = make_node("node-a", gpus=2, refused_environments=refused)
+    GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+    job = make_job(project, owner, environment=Environment.objects.get(name="closed"))
+    rows, _ = queue_report()
+    reason = next(row["reason"] for row in rows if row["job_id"] == job.pk)
+    assert reason["code"] == "environment" and "refused by node-a: a job's uid cannot run" in reason["message"]
+    page = Client()
+    page.force_login(owner)
+    assert "environment closed not offered" in page.get(f"/fleet/nodes/{node.name}/").content.decode()

@@ -37,6 +37,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "isolation_reason",
             "job_python",
             "job_python_problem",
+            "refused_environments",
             "last_heartbeat_at",
             "gpus",
         ]

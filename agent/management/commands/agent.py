@@ -64,6 +64,8 @@ class Command(BaseCommand):
         agent.address, agent.network_interface = address, interface
         agent.isolation = sandbox.start_checks()  # bwrap, setpriv, the docker client: found once, with our PATH
         agent.job_python = sandbox.python_problem(reach.default_python())  # run as a job uid, in a sandbox
+        names = [n.strip() for n in environments.split(",") if n.strip()]
+        agent.refused_environments = sandbox.unrunnable_environments(names)  # not advertised: the queue says why
         registered = agent.register(accept_inventory=accept_inventory)
         kind = "simulated" if registered.simulated else "NVML"
         self.stdout.write(f"node {registered.name}: {registered.gpu_count} x {registered.gpu_model} ({kind})")
@@ -76,7 +78,9 @@ class Command(BaseCommand):
             self.stderr.write(f"ERROR: {agent.job_python[1]}; set HANGAR_JOB_PYTHON to a Python job uids can run")
         else:
             self.stdout.write(f"node {registered.name}: a job's python is {agent.job_python[0]}")
-        names = [n.strip() for n in environments.split(",") if n.strip()]
+        for name, why in agent.refused_environments.items():
+            self.stderr.write(f"ERROR: environment {name} is not offered here: {why}")
+        names = [n for n in names if n not in agent.refused_environments]
         if unknown := Environment.advertise(registered, names):
             self.stderr.write(f"unknown environments ignored: {', '.join(unknown)} (define them in the admin)")
         stop = threading.Event()
