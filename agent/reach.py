@@ -126,13 +126,24 @@ class Unstartable:
     nodes_fault: bool
 
 
-def program_problem(command: list[str], path: str, agent_path: str, view: View, node: str) -> Unstartable | None:
+def own_program(program: str, workdir: str) -> bool:
+    """A program in the job's own directory (`./train.sh`, its code snapshot): the job's files,
+    looked at by no one but the job (root follows no link of theirs to judge them)."""
+    return "/" in program and (not program.startswith("/") or under(os.path.normpath(program), [workdir]))
+
+
+def program_problem(
+    command: list[str], path: str, agent_path: str, view: View, node: str, workdir: str
+) -> Unstartable | None:
     """Whether `command`'s program starts in the job's view, looked up on the job's PATH as
-    execvp would. None when it does; else what is wrong: the node's fault when the program is
-    on this node but out of the job's reach, or is an interpreter the node lacks."""
+    execvp would. None when it does, or when it is the job's own (its start is then the job's
+    business); else what is wrong: the node's fault when the program is on this node but out of
+    the job's reach, or is an interpreter the node lacks."""
     program = command[0] if command else ""
     if not program:
         return Unstartable("the command is empty", nodes_fault=False)
+    if own_program(program, workdir):
+        return None
     if "/" in program:
         candidates = [program]
     else:

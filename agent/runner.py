@@ -506,7 +506,8 @@ class Runner:
             argv = self.torchrun(argv)
         if not container and not self.ray:
             agent_path = os.environ.get("PATH", os.defpath)
-            if problem := reach.program_problem(argv, env.get("PATH", ""), agent_path, self.view, self.node.name):
+            where = (self.node.name, str(self.workdir()))
+            if problem := reach.program_problem(argv, env.get("PATH", ""), agent_path, self.view, *where):
                 raise LaunchRefused(problem)
         if self.ray:
             argv, env = self.ray_rank(argv, env)
@@ -695,7 +696,9 @@ class Runner:
         first = self.output.first
         if first is None or first[0] != Stream.STDERR or not first[1].startswith(b"bwrap: "):
             return None
-        return first[1].decode(errors="replace").strip()
+        said = first[1].decode(errors="replace").strip()
+        program = said.removeprefix("bwrap: execvp ").rsplit(": ", 1)[0] if said.startswith("bwrap: execvp ") else ""
+        return None if program and reach.own_program(program, str(self.workdir())) else said
 
     # --- launcher: ray (agent/ray.py) ---------------------------------------------------------
 

@@ -75,18 +75,21 @@ def test_a_program_out_of_reach_is_the_nodes_fault_and_a_typo_the_users(tmp_path
     view = reach.View(sandboxed=True)
 
     pyenv = (
-        reach.program_problem(["python", "t.py"], "/usr/bin:/bin", f"{PYENV_LIKE}/bin:/usr/bin", view, "node-a")
+        reach.program_problem(["python", "t.py"], "/usr/bin:/bin", f"{PYENV_LIKE}/bin:/usr/bin", view, "node-a", "/w")
         if PYENV_LIKE.startswith("/root")
         else None
     )
-    typo = reach.program_problem(["pythn", "t.py"], "/usr/bin:/bin", "/usr/bin:/bin", view, "node-a")
-    missing_interpreter = reach.program_problem(["python9.9", "t.py"], "/usr/bin:/bin", "/usr/bin", view, "node-a")
+    typo = reach.program_problem(["pythn", "t.py"], "/usr/bin:/bin", "/usr/bin:/bin", view, "node-a", "/w")
+    missing = reach.program_problem(["python9.9", "t.py"], "/usr/bin:/bin", "/usr/bin", view, "node-a", "/w")
 
     if pyenv is not None:
         assert pyenv.nodes_fault and "/root is closed to other users" in pyenv.reason
     assert not typo.nodes_fault and "'pythn' is not found on the job's PATH" in typo.reason
-    assert missing_interpreter.nodes_fault and "HANGAR_JOB_PYTHON" in missing_interpreter.reason
-    assert reach.program_problem(["sh", "-c", "true"], "/usr/bin:/bin", "/bin", view, "node-a") is None
+    assert missing.nodes_fault and "HANGAR_JOB_PYTHON" in missing.reason
+    assert reach.program_problem(["sh", "-c", "true"], "/usr/bin:/bin", "/bin", view, "node-a", "/w") is None
+    # The job's own program (its directory, a relative path) is the job's to start: never judged by root.
+    assert reach.program_problem(["./gone.sh"], "/usr/bin", "/usr/bin", view, "node-a", "/w") is None
+    assert reach.program_problem(["/w/code/run.sh"], "/usr/bin", "/usr/bin", view, "node-a", "/w") is None
 
 
 @pytest.mark.parametrize(
@@ -311,3 +314,25 @@ def test_an_environment_a_job_uid_cannot_run_is_not_offered_and_the_queue_says_w
     page = Client()
     page.force_login(owner)
     assert "environment closed not offered" in page.get(f"/fleet/nodes/{node.name}/").content.decode()
+
+
+@as_root
+@pytest.mark.parametrize("mode, started", [(0o755, True), (0o644, False)])
+def test_a_jobs_own_script_starts_or_fails_as_the_jobs_own(transactional_db, project, owner, sandboxed, mode, started):
+    job = make_job(project, owner, command=["./run.sh"])
+    workdir = sandboxed.HANGAR_JOB_WORKDIR / str(job.pk)
+    workdir.mkdir(parents=True)
+    (workdir / "run.sh").write_text("#!/bin/sh\necho own script ran\n")
+    (workdir / "run.sh").chmod(mode)
+    node = make_node("node-a", gpus=2)
+    GPU.objects.filter(node=node).update(temperature_c=35, sampled_at=timezone.now())
+
+    (attempt,) = scheduler.schedule_pass()
+    execution.run_attempt(attempt.pk)
+    attempt.refresh_from_db()
+    lines = list(LogLine.objects.filter(attempt=attempt).order_by("seq").values_list("text", flat=True))
+
+    if started:
+        assert "own script ran" in lines and attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
+    else:  # its own file without the execute bit: the user's to fix, never a requeue as the node's
+        assert attempt.state == AttemptState.FAILED and attempt.failure_class == FailureClass.USER, attempt.reason
