@@ -565,7 +565,9 @@ def report(node) -> None:
 
     try:
         store = cache()
-        apply_rebuilds(store)
+        if (now := time.monotonic()) >= _rebuilds_due.get(node.pk, 0.0):  # a query: not every heartbeat
+            _rebuilds_due[node.pk] = now + REBUILD_CHECK_SECONDS
+            apply_rebuilds(store)
         entries, keys = store.entries(), keys_by_hash(store)
         seen = (tuple(sorted((e.hash, e.last_used) for e in entries)), tuple(sorted(keys.items())))
         if _reported.get(node.pk) == seen:
@@ -588,11 +590,13 @@ def report(node) -> None:
 
 
 REBUILD_WINDOW_DAYS = 7  # requests older than this were applied by every node that was up
+REBUILD_CHECK_SECONDS = 30.0  # how often a node looks for requests (and retries one a job held)
+_rebuilds_due: dict[int, float] = {}  # node id -> when it next looks
 
 
 def apply_rebuilds(store: Cache) -> list[str]:
     """Drop the environments an operator asked to rebuild (jobs EnvironmentRebuild) that this
-    node built before the request; one a running job holds waits for the next heartbeat."""
+    node built before the request; one a running job holds waits for the next look."""
     from datetime import datetime, timedelta
 
     from jobs.models import EnvironmentRebuild

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from agent import sandbox
 from jobs.models import EnvironmentKind, Job
 
 log = logging.getLogger("hangar.agent")
@@ -99,9 +100,7 @@ def prepare_workdir(workdir: Path, checkpoints: Path, user: JobUser | None) -> N
     if user is None:
         checkpoints.mkdir(parents=True, exist_ok=True)
         return
-    from agent.sandbox import prepare_job_dirs  # by descriptor: an earlier attempt may have left links
-
-    prepare_job_dirs(workdir, checkpoints, user.uid, user.gid)
+    sandbox.prepare_job_dirs(workdir, checkpoints, user.uid, user.gid)  # by descriptor: links are never followed
     for parent in workdir.parents:
         if not may_search(parent.stat(), user):
             raise JobUserError(

@@ -9,6 +9,7 @@ directory it cannot read), and whether its program can start there at all (a lau
 cannot work is refused before it starts, as the node's fault where it is the node's).
 """
 
+import functools
 import os
 import re
 import stat
@@ -74,9 +75,11 @@ class View:
         return self.sees(directory) and (self.everything or job_can_search(directory))
 
 
-def python_roots(executable: str) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def python_roots(executable: str) -> tuple[str, ...]:
     """The prefixes a Python runs from: its virtualenv (if it is in one) and the installation
-    the virtualenv was made from (pyvenv.cfg's home, and where bin/python links to)."""
+    the virtualenv was made from (pyvenv.cfg's home, and where bin/python links to). Read once
+    per interpreter and process: every sandboxed start asks."""
     exe = Path(os.path.abspath(executable))
     prefix = exe.parent.parent
     roots = [str(prefix)]
@@ -87,15 +90,15 @@ def python_roots(executable: str) -> list[str]:
             if key.strip() == "home" and value.strip():
                 roots.append(os.path.realpath(Path(value.strip()).parent))
     roots.append(str(Path(os.path.realpath(exe)).parent.parent))
-    return list(dict.fromkeys(roots))
+    return tuple(dict.fromkeys(roots))
 
 
-def prefix_roots(prefix: str) -> list[str]:
+def prefix_roots(prefix: str) -> tuple[str, ...]:
     """The same for an environment given by its prefix (a virtualenv or an installation)."""
     for name in ("python", "python3"):
         if (Path(prefix) / "bin" / name).exists():
             return python_roots(str(Path(prefix) / "bin" / name))
-    return [os.path.abspath(prefix)]
+    return (os.path.abspath(prefix),)
 
 
 def default_python() -> str:

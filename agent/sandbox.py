@@ -390,8 +390,14 @@ def launch_for(
         bwrap=found.bwrap,
         setpriv=found.setpriv,
     )
-    box = replace(box, tools=reach.tools_to_bind(interpreter_roots(job, env_path), view_of(box)))
-    return Launch(uid, reachable(box, staging_roots(settings)))
+    return Launch(uid, with_interpreters(box, interpreter_roots(job, env_path), settings))
+
+
+def with_interpreters(box: Sandbox, roots: list[str], settings) -> Sandbox:
+    """`box` with the interpreter prefixes `roots` bound where its job would not see them
+    otherwise, and what its uid cannot reach staged (`reachable`)."""
+    box = replace(box, tools=reach.tools_to_bind(roots, view_of(box)))
+    return reachable(box, staging_roots(settings))
 
 
 def interpreter_roots(job, env_path: Path | None) -> list[str]:
@@ -400,9 +406,7 @@ def interpreter_roots(job, env_path: Path | None) -> list[str]:
     roots = reach.python_roots(reach.default_python())
     environment = job.environment
     prefix = str(env_path) if env_path is not None else (environment.path if environment is not None else "")
-    if prefix:
-        roots += reach.prefix_roots(prefix)
-    return list(dict.fromkeys(roots))
+    return list(dict.fromkeys([*roots, *(reach.prefix_roots(prefix) if prefix else ())]))
 
 
 def job_view(launch: "Launch | None") -> reach.View:
@@ -573,8 +577,7 @@ def try_as_job(command: list[str], roots: list[str], timeout: float = 60) -> tup
         if isolation_mode == ISOLATION_SANDBOX:
             box = Sandbox(uid=uid, workdir=str(scratch), hidden=hidden_paths(settings), bwrap=found.bwrap,
                           setpriv=found.setpriv)  # fmt: skip
-            box = replace(box, tools=reach.tools_to_bind(roots, view_of(box)))
-            box = reachable(box, staging_roots(settings))
+            box = with_interpreters(box, roots, settings)
             view, argv = view_of(box), bwrap_argv(box, command)
         else:
             view = reach.View(sandboxed=False)

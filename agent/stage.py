@@ -11,6 +11,7 @@ the namespace receives the host's mounts (slave) and sends none, and ends with i
 whose stdin is a pipe only this process holds. The sandbox hides STAGE_DIR itself.
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -94,7 +95,9 @@ class Stage:
         return target
 
 
+@functools.cache
 def nsenter() -> str:
+    """Looked up once, with the agent's own PATH (every sandboxed start that stages runs it)."""
     found = shutil.which("nsenter")
     if found is None:
         raise StageUnavailable("nsenter (util-linux) is missing: apt-get install util-linux")

@@ -35,7 +35,7 @@ class EnvironmentViewSet(viewsets.ReadOnlyModelViewSet):
         request=None,
         responses=OpenApiTypes.OBJECT,
         description="Every node drops the environments it cached for this named environment (or the one whose "
-        "hash starts with it, 8+ hex digits, as node pages show it) at its next heartbeat; one a running job "
+        "hash starts with it, 8+ hex digits, as node pages show it) within 30 s; one a running job "
         "holds goes when that job ends. The next job that asks for it builds it anew.",
     )
     @action(detail=True, methods=["post"])
@@ -48,6 +48,6 @@ class EnvironmentViewSet(viewsets.ReadOnlyModelViewSet):
         body = {
             "target": name,
             "requested_at": rebuild.requested_at,
-            "message": f"every node drops its cached {name} environments at its next heartbeat",
+            "message": f"every node drops its cached {name} environments within 30 s",
         }
         return Response(body, status=status.HTTP_202_ACCEPTED)

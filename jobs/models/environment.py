@@ -82,7 +82,7 @@ class Environment(models.Model):
 class EnvironmentRebuild(models.Model):
     """An operator's request that every node drop the cached environments it built for a named
     environment (or the one whose hash starts with `target`): the next job builds them anew
-    (`hangar env rebuild NAME`). Each agent applies it at its next heartbeat (agent/envcache.py);
+    (`hangar env rebuild NAME`). Each agent applies it within 30 s (agent/envcache.py);
     an environment a running job holds goes once that job ends."""
 
     target = models.CharField(max_length=64)
