@@ -6,14 +6,18 @@ except through descriptors opened with O_NOFOLLOW under a checked directory's (P
 Root only
 - opens the pipeline root (checked: the agent's own, writable by no one else) and, under it,
   the earlier run's directory and a fresh partial directory for the copy;
-- opens the earlier run's files to the copying uid (sandbox.share_pipeline_files: only what
-  one of that run's uids owns) and renames the finished copy into place, never over another;
+- opens the earlier run's files to the copying uid, and a run's files to its next stages
+  (share_pipeline_files: only what one of that run's uids owns), and renames the finished copy
+  into place, never over another;
 - removes a failed copy by descriptors, so a failure leaves nothing behind.
 The copy itself runs in a forked child that drops to the stage's uid before it reads anything
 and works only through the two directory descriptors it inherits (the uid may not be able to
 reach the paths). It follows no link (links are copied as links), copies the data extents only
 (SEEK_DATA/SEEK_HOLE: a hole stays a hole), writes no set-id bit, and stops at
 HANGAR_PIPELINE_MAX_BYTES; it reports on a pipe, one JSON object a line.
+The walks open each entry under its folder's descriptor with O_NOFOLLOW | O_NONBLOCK, not with
+os.fwalk: fwalk opens a listed folder without O_NOFOLLOW, so a link swapped in for it is followed
+(to a FIFO: the open blocks) before the swap is noticed.
 """
 
 import contextlib
@@ -27,7 +31,7 @@ import select
 import signal
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +49,8 @@ FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_DEPTH = 64  # folders deeper than this are refused: every level holds two descriptors
 CHUNK = 8 * 1024 * 1024
-REPORT_SECONDS = 0.25
-CHECK_SECONDS = 0.5
+PROGRESS_SECONDS = 1.0  # how often the copy's progress is written to the run's row
+CHECK_SECONDS = 0.5  # how soon a cancelled attempt stops its copy
 SKIPPED_SHOWN = 10
 
 PR_SET_PDEATHSIG = 1
@@ -91,8 +95,8 @@ def prepare_stage_directory(job, user, shared: bool, say: Callable, still_curren
         run.record_uid(user.uid)
     try:
         if run.copy_state and not os.path.lexists(run.directory):
-            copy_earlier(PipelineRun.objects.select_related("rerun_of").get(pk=run.pk), user, say, still_current)
-        sandbox.prepare_pipeline_dir(run.directory, shared, owners_of(run) if shared else ())
+            copy_earlier(run, user, say, still_current)
+        prepare_pipeline_dir(run.directory, shared, owners_of(run) if shared else ())
     except OSError as exc:
         reason = f"could not prepare the pipeline directory {run.directory} on this node: {exc.strerror or exc}"
         say(reason, True)
@@ -110,11 +114,6 @@ def owners_of(run: PipelineRun) -> set[int]:
     return uids - {0}
 
 
-def owners_of_directory(path: str) -> set[int]:
-    run = PipelineRun.objects.filter(directory=path).first()
-    return owners_of(run) if run is not None else set()
-
-
 def copy_earlier(run: PipelineRun, user, say: Callable, still_current: Callable | None) -> None:
     """The rerun's directory as a copy of the earlier run's, or nothing at all (CopyRefused)."""
     directory = Path(run.directory)
@@ -129,7 +128,7 @@ def copy_earlier(run: PipelineRun, user, say: Callable, still_current: Callable 
             run.copy_ended(True, 0, note)
             return
         if user is not None:  # what the earlier stages wrote, 0600 as their own uids, readable by this one
-            sandbox.share_pipeline_files(Path(earlier.directory), owners_of(earlier), writable=False)
+            share_pipeline_files(Path(earlier.directory), owners_of(earlier), writable=False)
         copied = copy_into_place(run, root, open_earlier(Path(earlier.directory)), user, say, still_current, label)
     finally:
         os.close(root)
@@ -166,16 +165,15 @@ def copy_into_place(run, root: int, source: int, user, say, still_current, label
 
 
 def run_copy(run, source: int, target: int, user, label: str, still_current) -> dict:
-    """Copy in a child as `user`; its last report (ended: done or refused) or why it died."""
+    """Copy in a child as `user`; its last report (ended: done or refused) or why it died. Its
+    progress (a report each PROGRESS_SECONDS) is written to the run's row as it comes."""
     began = False
-    last_write = 0.0
 
     def heard(message: dict) -> None:
-        nonlocal began, last_write
+        nonlocal began
         if "total" in message:
             began = run.copy_began(message["total"])
-        elif "copied" in message and began and time.monotonic() - last_write >= CHECK_SECONDS:
-            last_write = time.monotonic()
+        elif began:
             run.copy_progressed(message["copied"])
 
     quota = limit()
@@ -184,7 +182,8 @@ def run_copy(run, source: int, target: int, user, label: str, still_current) -> 
 
 
 def follow(pid: int, out: int, heard: Callable[[dict], None], still_current: Callable | None) -> dict:
-    """Read the child's reports until it ends; kill it when the attempt ends meanwhile."""
+    """Read the child's reports until it ends (each but the last to `heard`); kill it when the
+    attempt ends meanwhile."""
     final: dict = {}
     buffer = b""
     next_check = time.monotonic() + CHECK_SECONDS
@@ -198,8 +197,10 @@ def follow(pid: int, out: int, heard: Callable[[dict], None], still_current: Cal
                 *lines, buffer = (buffer + chunk).split(b"\n")
                 for line in lines:
                     message = json.loads(line)
-                    final = message if "ended" in message else final
-                    heard(message)
+                    if "ended" in message:
+                        final = message
+                    else:
+                        heard(message)
             if still_current is not None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_SECONDS
                 if not still_current():
@@ -253,14 +254,19 @@ def checked_directory(path: Path) -> int:
     return fd
 
 
-def open_earlier(directory: Path) -> int:
-    """The earlier run's directory, opened under its checked parent; searchable by job uids
-    (the agent made it: its entry is the agent's, its contents the stages')."""
-    parent = checked_directory(directory.parent)
+def open_run_directory(directory: Path) -> int:
+    """A run's directory, opened O_NOFOLLOW under its checked parent (the pipeline root)."""
+    root = checked_directory(directory.parent)
     try:
-        fd = os.open(directory.name, DIRECTORY, dir_fd=parent)
+        return os.open(directory.name, DIRECTORY, dir_fd=root)
     finally:
-        os.close(parent)
+        os.close(root)
+
+
+def open_earlier(directory: Path) -> int:
+    """The earlier run's directory, searchable by job uids (the agent made it: its entry is the
+    agent's, its contents the stages')."""
+    fd = open_run_directory(directory)
     info = os.fstat(fd)
     if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) & 0o005 != 0o005:
         os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o555)
@@ -276,7 +282,8 @@ def partial_directory(root: int, name: str, user) -> int:
 
 
 def fresh_directory(root: int, name: str, user) -> None:
-    os.close(partial_directory(root, name, user))
+    with contextlib.suppress(FileExistsError):  # another rank made it first
+        os.close(partial_directory(root, name, user))
 
 
 def rename_into_place(root: int, partial: str, name: str) -> bool:
@@ -319,9 +326,48 @@ def remove_tree(parent: int, name: str, depth: int = 0) -> None:
     os.rmdir(name, dir_fd=parent)
 
 
+def prepare_pipeline_dir(path: str, shared: bool, owners: Collection[int]) -> None:
+    """A pipeline run's directory (jobs/pipelines.py), made here too when the portal's is on
+    another machine. `shared`: each stage runs as a uid of its own, and all of them write
+    there (`owners`: the uids the run's stages ran as); its name is unguessable and the
+    sandbox hides its root from every other job."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not shared:
+        return
+    root = directory.parent  # HANGAR_PIPELINE_ROOT: searchable by job uids, never listable
+    if not root.stat().st_mode & stat.S_IXOTH:
+        try:
+            root.chmod(0o711)
+        except OSError as exc:
+            raise OSError(f"job uids cannot reach {root}: chmod o+x it, or move HANGAR_PIPELINE_ROOT ({exc})")
+    fd = open_run_directory(directory)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o777:
+            os.fchmod(fd, 0o777)
+        share_tree(fd, frozenset(owners) - {0}, writable=True)
+    finally:
+        os.close(fd)
+
+
+def share_pipeline_files(directory: Path, owners: Collection[int], writable: bool = True) -> None:
+    """What earlier stages left in the run's directory, made readable and writable by the next
+    ones (each its own uid; Hangar's umask is 077), or only readable (`writable` False: by the
+    uid that copies it for a rerun); nothing when it is not on this node."""
+    try:
+        fd = open_run_directory(Path(directory))
+    except FileNotFoundError:
+        return
+    try:
+        share_tree(fd, frozenset(owners) - {0}, writable)
+    finally:
+        os.close(fd)
+
+
 def share_tree(top: int, owners: frozenset[int], writable: bool, depth: int = 0) -> None:
     """Open what is in the directory `top` to the run's other uids: files and folders owned by
-    one of `owners` only, each opened with O_NOFOLLOW relative to its folder's descriptor."""
+    one of `owners` only (not a file a stage hard-linked in from elsewhere), each opened with
+    O_NOFOLLOW relative to its folder's descriptor; set-id bits are dropped."""
     with os.scandir(top) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
@@ -444,7 +490,7 @@ class Budget:
 
     def add(self, size: int) -> None:
         self.copied += size
-        if time.monotonic() - self.reported >= REPORT_SECONDS:
+        if time.monotonic() - self.reported >= PROGRESS_SECONDS:
             self.reported = time.monotonic()
             report(self.out, copied=self.copied)
 

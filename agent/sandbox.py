@@ -35,7 +35,6 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -477,51 +476,6 @@ def hidden_paths(settings) -> tuple[str, ...]:
         *settings.HANGAR_VOLUME_ROOTS,
         *{os.path.normpath(p) for p in registered if p.startswith("/")},
     )
-
-
-def prepare_pipeline_dir(path: str, shared: bool, owners: Collection[int] | None = None) -> None:
-    """A pipeline run's directory (jobs/pipelines.py), made here too when the portal's is on
-    another machine. `shared`: each stage runs as a uid of its own, and all of them write
-    there; its name is unguessable and the sandbox hides its root from every other job.
-    `owners`: the uids the run's stages ran as, whose files alone are shared (None: as recorded
-    for the run of that directory, agent/pipelinecopy.py)."""
-    from agent import pipelinecopy
-
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    if not shared:
-        return
-    root = directory.parent  # HANGAR_PIPELINE_ROOT: searchable by job uids, never listable
-    if not root.stat().st_mode & stat.S_IXOTH:
-        try:
-            root.chmod(0o711)
-        except OSError as exc:
-            raise OSError(f"job uids cannot reach {root}: chmod o+x it, or move HANGAR_PIPELINE_ROOT ({exc})")
-    if stat.S_IMODE(directory.stat().st_mode) != 0o777:
-        directory.chmod(0o777)  # the agent's own entry in its own root: no stage can swap it for a link
-    share_pipeline_files(directory, pipelinecopy.owners_of_directory(path) if owners is None else owners)
-
-
-def share_pipeline_files(directory: Path, owners: Collection[int], writable: bool = True) -> None:
-    """What earlier stages left in the run's directory, made readable and writable by the next
-    ones (each its own uid; Hangar's umask is 077), or only readable (`writable` False: by the
-    uid that copies it for a rerun). Only what one of the run's uids (`owners`) owns changes:
-    not a file a stage hard-linked in from elsewhere. The walk holds directory fds and opens
-    each entry with O_NOFOLLOW: a link a stage planted is never followed; set-id bits are dropped."""
-    from agent import pipelinecopy
-
-    try:
-        top = pipelinecopy.checked_directory(Path(directory).parent)
-        try:
-            fd = os.open(Path(directory).name, pipelinecopy.DIRECTORY, dir_fd=top)
-        finally:
-            os.close(top)
-    except FileNotFoundError:
-        return  # not made on this node (yet): nothing to share
-    try:
-        pipelinecopy.share_tree(fd, frozenset(owners) - {0}, writable)
-    finally:
-        os.close(fd)
 
 
 def job_binds(job, env_path: Path | None = None) -> tuple[Bind, ...]:

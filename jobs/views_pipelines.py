@@ -33,7 +33,8 @@ def run_context(request, pk: int) -> dict:
     for stage in body["stages"]:
         stage["colour"] = STATE_COLOURS[stage["state"]]
     if copy := body["copy"]:
-        copy["label"], copy["colour"] = CopyState(copy["state"]).label, CopyState(copy["state"]).colour
+        state = CopyState(copy["state"])
+        copy["label"], copy["colour"] = state.label, state.colour
     return {
         "run": run,
         "body": body,

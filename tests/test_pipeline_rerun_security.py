@@ -5,7 +5,8 @@ is copied from the earlier run's by its first stage's attempt, on its node, as t
 uid (agent/pipelinecopy.py): driven here as the runner drives it. Each test performs the
 attack: a real job uid flipping a file between a regular file and a link to a root-only file
 while reruns are asked and copies made; a set-uid copy of /usr/bin/id; a 2 GiB sparse file and
-the quota; a copy that fails half-way (a full disk) or is stopped."""
+the quota; a copy that fails half-way (a full disk) or is stopped; a run's directory a job uid
+swapped for a link in a pipeline root it can write."""
 
 import os
 import secrets
@@ -299,6 +300,26 @@ def test_a_sparse_file_stays_sparse_and_a_run_over_the_quota_is_refused_leaving_
     assert body["copy"]["state"] == "failed" and body["copy"]["reason"] == reason
 
 
+def test_the_copys_progress_reaches_the_run_as_it_goes(db, owner, project, node, roots, monkeypatch):
+    earlier = finished_run(owner, node)
+    for index in range(3):
+        path = Path(earlier.directory) / f"shard-{index}"
+        path.write_bytes(os.urandom(256 * 1024))
+        if os.getuid() == 0:  # as the earlier stage's uid wrote it
+            owned_as(path, sandbox.job_uid(first_stage(earlier).pk, RANGE, set()), 0o600)
+    monkeypatch.setattr(pipelinecopy, "PROGRESS_SECONDS", 0)  # a report for each file copied
+    written = []
+    progressed = PipelineRun.copy_progressed
+    monkeypatch.setattr(PipelineRun, "copy_progressed", lambda run, n: (written.append(n), progressed(run, n)))
+    again = pipelines.rerun(owner, earlier, "train").run
+
+    prepare(again, Log())
+
+    again.refresh_from_db()
+    assert written == [256 * 1024, 512 * 1024, 768 * 1024], written  # one write a report, none for the end
+    assert again.copy_state == CopyState.DONE and again.copy_bytes == again.copy_total == 768 * 1024
+
+
 def test_the_quota_holds_while_copying_when_a_file_grew_after_the_first_scan(tmp_path):
     source, target = tmp_path / "source", tmp_path / "target"
     source.mkdir()
@@ -405,6 +426,46 @@ def test_a_pipeline_root_others_can_write_fails_the_stage_as_infra_saying_what_t
 
     assert refused.value.failure_class == FailureClass.INFRA and "chmod go-w" in refused.value.reason
     assert not os.path.lexists(again.directory) and (refused.value.reason, True) in log.lines
+
+
+@root_only
+@pytest.mark.skipif(not os.access(PYTHON, os.X_OK), reason=f"{PYTHON} swaps the directory as a job uid")
+def test_a_run_directory_a_job_uid_swapped_for_a_link_opens_nothing_it_points_at(
+    db, owner, project, node, settings, roots
+):
+    run = pipelines.submit_pipeline(owner, {"project": "vision", "stages": {"train": {"command": ["true"]}}}).run
+    closed = settings.DATA_DIR / f"closed-{secrets.token_hex(4)}"
+    closed.mkdir(mode=0o700)
+    roots.chmod(0o777)  # a pipeline root any uid can write (an operator's shared folder)
+    uid = stage_user(first_stage(run)).uid
+    name = Path(run.directory).name
+    swap = f"import os; os.rename({name!r}, 'gone'); os.symlink({str(closed)!r}, {name!r}); print('swapped')"
+    done = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", PYTHON, "-c", swap],
+        cwd=roots,  # entered as root: the uid needs no way into the data directory
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout == "swapped\n" and os.readlink(run.directory) == str(closed), done.stderr  # the setup
+    log = Log()
+
+    with pytest.raises(pipelinecopy.CopyRefused) as refused:
+        prepare(run, log)  # the next stage's start, sharing the run's directory with its uid
+
+    assert refused.value.failure_class == FailureClass.INFRA and "chmod go-w" in refused.value.reason
+    assert stat.S_IMODE(closed.stat().st_mode) == 0o700  # not made 0777 through the link
+
+
+def test_a_rerun_starting_empty_keeps_the_directory_another_rank_made_first(db, owner, project, node, roots):
+    earlier = finished_run(owner, node)
+    shutil.rmtree(earlier.directory)
+    again = pipelines.rerun(owner, earlier, "train").run
+    os.mkdir(again.directory)  # another rank's, made between this one's look and its own mkdir
+    (Path(again.directory) / "written").write_text("by that rank's stage")
+
+    pipelinecopy.copy_earlier(again, stage_user(first_stage(again)), Log(), None)
+
+    assert (Path(again.directory) / "written").read_text() == "by that rank's stage"
 
 
 def test_the_run_pages_run_again_says_which_stage_is_still_going(db, owner, project, node, roots, client):

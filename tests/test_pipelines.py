@@ -356,7 +356,7 @@ def test_sandboxed_stages_of_their_own_uids_share_the_runs_directory(transaction
 
 
 def test_sharing_a_runs_files_never_follows_a_link_out_of_it(tmp_path):
-    from agent.sandbox import share_pipeline_files
+    from agent.pipelinecopy import share_pipeline_files
 
     outside = tmp_path / "secret"
     outside.write_text("x")

@@ -51,6 +51,9 @@ class CopyState(models.TextChoices):
         return {"waiting": "grey", "copying": "blue", "done": "green", "failed": "red"}[self.value]
 
 
+COPY_UNDONE = (CopyState.WAITING, CopyState.COPYING, CopyState.FAILED)  # a copy may (re)start from these
+
+
 class PipelineRunQuerySet(models.QuerySet):
     def visible_to(self, user) -> "PipelineRunQuerySet":
         return self.filter(project__in=Project.objects.visible_to(user))
@@ -99,9 +102,8 @@ class PipelineRun(models.Model):
     # The copy's progress, written by the agent that copies. Each is one conditional update:
     # a retried attempt begins again from waiting, copying or failed, never from done.
     def copy_began(self, total: int) -> bool:
-        again = [CopyState.WAITING, CopyState.COPYING, CopyState.FAILED]
         fields = {"copy_state": CopyState.COPYING, "copy_bytes": 0, "copy_total": total, "copy_reason": ""}
-        return PipelineRun.objects.filter(pk=self.pk, copy_state__in=again).update(**fields) == 1
+        return PipelineRun.objects.filter(pk=self.pk, copy_state__in=COPY_UNDONE).update(**fields) == 1
 
     def copy_progressed(self, copied: int) -> None:
         PipelineRun.objects.filter(pk=self.pk, copy_state=CopyState.COPYING).update(copy_bytes=copied)
@@ -109,8 +111,7 @@ class PipelineRun(models.Model):
     def copy_ended(self, done: bool, copied: int, reason: str = "") -> bool:
         state = CopyState.DONE if done else CopyState.FAILED
         fields = {"copy_state": state, "copy_bytes": copied, "copy_reason": reason[:500]}
-        again = [CopyState.WAITING, CopyState.COPYING, CopyState.FAILED]
-        return PipelineRun.objects.filter(pk=self.pk, copy_state__in=again).update(**fields) == 1
+        return PipelineRun.objects.filter(pk=self.pk, copy_state__in=COPY_UNDONE).update(**fields) == 1
 
     def record_uid(self, uid: int) -> None:
         """A stage of this run runs as `uid` on some node (one row per uid, whoever writes first)."""
