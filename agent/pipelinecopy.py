@@ -15,9 +15,8 @@ and works only through the two directory descriptors it inherits (the uid may no
 reach the paths). It follows no link (links are copied as links), copies the data extents only
 (SEEK_DATA/SEEK_HOLE: a hole stays a hole), writes no set-id bit, and stops at
 HANGAR_PIPELINE_MAX_BYTES; it reports on a pipe, one JSON object a line.
-The walks open each entry under its folder's descriptor with O_NOFOLLOW | O_NONBLOCK, not with
-os.fwalk: fwalk opens a listed folder without O_NOFOLLOW, so a link swapped in for it is followed
-(to a FIFO: the open blocks) before the swap is noticed.
+The walks open each entry under its folder's descriptor with O_NOFOLLOW | O_NONBLOCK, never with
+os.fwalk (sandbox.each_entry says why).
 """
 
 import contextlib
@@ -43,9 +42,7 @@ from jobs import pipelines
 from jobs.models import FailureClass, PipelineRun, PipelineStage
 from jobs.models.pipeline import PipelineUid
 
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO swapped in for a file opens at once (and is then skipped, not read).
-FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+DIRECTORY, FILE = sandbox.DIRECTORY, sandbox.ENTRY  # never through a link; a FIFO opens at once
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_DEPTH = 64  # folders deeper than this are refused: every level holds two descriptors
 CHUNK = 8 * 1024 * 1024
@@ -364,33 +361,19 @@ def share_pipeline_files(directory: Path, owners: Collection[int], writable: boo
         os.close(fd)
 
 
-def share_tree(top: int, owners: frozenset[int], writable: bool, depth: int = 0) -> None:
+def share_tree(top: int, owners: frozenset[int], writable: bool) -> None:
     """Open what is in the directory `top` to the run's other uids: files and folders owned by
     one of `owners` only (not a file a stage hard-linked in from elsewhere), each opened with
-    O_NOFOLLOW relative to its folder's descriptor; set-id bits are dropped."""
-    with os.scandir(top) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                flags = DIRECTORY
-            elif entry.is_file(follow_symlinks=False):
-                flags = FILE
-            else:
-                continue  # a link, a socket, a FIFO
-            try:
-                fd = os.open(entry.name, flags, dir_fd=top)
-            except OSError:
-                continue  # swapped for a link, or gone meanwhile
-            try:
-                info = os.fstat(fd)
-                if info.st_uid not in owners:
-                    continue  # not this run's: hard-linked in from elsewhere, or another user's
-                is_dir = stat.S_ISDIR(info.st_mode)
-                if is_dir or stat.S_ISREG(info.st_mode):
-                    os.fchmod(fd, shared_mode(stat.S_IMODE(info.st_mode), is_dir, writable))
-                if is_dir and depth < MAX_DEPTH:
-                    share_tree(fd, owners, writable, depth + 1)
-            finally:
-                os.close(fd)
+    O_NOFOLLOW under its folder's descriptor (sandbox.each_entry); set-id bits are dropped."""
+
+    def share(fd: int, info: os.stat_result) -> bool:
+        if info.st_uid not in owners:
+            return False  # not this run's: hard-linked in from elsewhere, or another user's
+        is_dir = stat.S_ISDIR(info.st_mode)
+        os.fchmod(fd, shared_mode(stat.S_IMODE(info.st_mode), is_dir, writable))
+        return True
+
+    sandbox.each_entry(top, share)
 
 
 def shared_mode(mode: int, is_dir: bool, writable: bool) -> int:

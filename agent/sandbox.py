@@ -35,6 +35,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -311,22 +312,55 @@ def own_subdir(parent: int, name: str) -> int:
 
 
 def give_tree(fd: int, uid: int, gid: int) -> None:
-    """The directory `fd` and what is in it made `uid`'s (unless it is already), and 0700. Walked
-    by descriptor (os.fwalk, no link followed); a file with other hard links is left alone: it
-    may be another owner's file linked in, which a chown would hand over."""
+    """The directory `fd` and what is in it made `uid`'s (unless it is already), and 0700. A
+    file with other hard links is left alone: it may be another owner's file linked in, which
+    a chown would hand over."""
+
+    def give(entry: int, info: os.stat_result) -> bool:
+        if not (stat.S_ISREG(info.st_mode) and info.st_nlink > 1):
+            os.fchown(entry, uid, gid)
+        return True
+
     info = os.fstat(fd)
     if info.st_uid != uid:
         os.fchown(fd, uid, gid)
-        for _, dirs, files, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            for name in [*dirs, *files]:
-                try:
-                    entry = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    if not (stat.S_ISREG(entry.st_mode) and entry.st_nlink > 1):
-                        os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    pass  # gone meanwhile
+        each_entry(fd, give)
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.fchmod(fd, 0o700)
+
+
+# How root opens what is in a job's tree: never through a link (O_NOFOLLOW), and a FIFO swapped
+# in for a file opens at once (O_NONBLOCK) instead of holding the agent.
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+MAX_DEPTH = 64  # deeper folders are not walked: every level holds a descriptor
+
+
+def each_entry(top: int, visit: Callable[[int, os.stat_result], bool], depth: int = 0) -> None:
+    """Every file and folder under the directory `top`, opened under its folder's descriptor and
+    handed to `visit(fd, its fstat)`, which says whether to go into a folder. Not os.fwalk: it
+    opens a listed folder without O_NOFOLLOW, so a link a job swaps in is followed (to a FIFO:
+    the open blocks) before the swap is noticed. Links and other kinds are passed over."""
+    with os.scandir(top) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                flags = DIRECTORY
+            elif entry.is_file(follow_symlinks=False):
+                flags = ENTRY
+            else:
+                continue
+            try:
+                fd = os.open(entry.name, flags, dir_fd=top)
+            except OSError:
+                continue  # swapped for a link, or gone meanwhile
+            try:
+                info = os.fstat(fd)
+                if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+                    continue  # a FIFO (or a device) swapped in between the listing and the open
+                if visit(fd, info) and stat.S_ISDIR(info.st_mode) and depth < MAX_DEPTH:
+                    each_entry(fd, visit, depth + 1)
+            finally:
+                os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,45 @@ def test_a_jobs_own_script_starts_or_fails_as_the_jobs_own(transactional_db, pro
         assert "own script ran" in lines and attempt.state == AttemptState.SUCCEEDED, (attempt.reason, lines)
     else:  # its own file without the execute bit: the user's to fix, never a requeue as the node's
         assert attempt.state == AttemptState.FAILED and attempt.failure_class == FailureClass.USER, attempt.reason
+
+
+@as_root
+def test_a_folder_swapped_for_a_link_to_a_fifo_never_holds_root_giving_a_tree_away(tmp_path):
+    # The attack: while root walks a job's tree to chown it, the job swaps a listed folder for a
+    # link to a FIFO. os.fwalk opened the name as listed (no O_NOFOLLOW): root blocked for ever.
+    top = tmp_path / "job"
+    top.mkdir()
+    os.mkfifo(top / "fifo")
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", SWAP, str(top)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert swapper.stdout.readline().strip() == b"swapping"  # the race runs
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        done = threading.Event()
+
+        def give_again_and_again():
+            for _ in range(300):
+                os.fchown(fd, 0, 0)  # root's again: the next call walks it all
+                sandbox.give_tree(fd, 200777, 200777)
+            done.set()
+
+        threading.Thread(target=give_again_and_again, daemon=True).start()
+        assert done.wait(60), "the walk blocked on a FIFO a link in a folder's place pointed at"
+        os.close(fd)
+    finally:
+        swapper.kill()
+        swapper.wait()
+
+
+SWAP = """
+import os, sys
+os.chdir(sys.argv[1])
+names = [f"d{i}" for i in range(64)]  # many folders: the walk opens each a while after listing it
+for name in names:
+    os.mkdir(name)
+print("swapping", flush=True)
+while True:
+    for name in names:
+        os.rmdir(name); os.symlink("fifo", name); os.unlink(name); os.mkdir(name)
+"""
