@@ -105,13 +105,14 @@ def fetch(snapshot: Snapshot, path: Path) -> None:
         )
 
 
-def unpack(tarball: Path, tree: Path, sha256: str = "") -> int:
+def unpack(tarball: Path, tree: Path, sha256: str) -> int:
     """The tarball checked (hangar/tarballs.py) and written into the new directory `tree`; the
     number of members. CodeRefused names what is wrong with it."""
     limit_bytes, limit_files = snapshots.max_bytes(), settings.HANGAR_SNAPSHOT_MAX_FILES
     try:
         with tarball.open("rb") as raw:
             contents = tarballs.check_tarball(raw, limit_bytes, limit_files)
+        # Read twice: a link is known to stay inside only once every member has been seen.
         with tarball.open("rb") as raw:
             return tarballs.extract(raw, tree, contents, tarballs.stream_limit(limit_bytes, limit_files))
     except tarballs.SnapshotRefused as refused:
@@ -128,6 +129,8 @@ def fresh_copy(job, workdir: Path) -> None:
         shutil.rmtree(workdir)
     workdir.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(workdir.parent, 0o711)  # job uids pass through to their own copy, never list the others
+    # Root copies by path between two directories no job can write: the cache, and the job's
+    # directory (its uid is given only the copy, afterwards, and the checkpoints beside it).
     shutil.copytree(source, workdir, symlinks=True)
 
 

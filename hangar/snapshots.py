@@ -5,10 +5,12 @@ tracked files and the untracked ones .gitignore does not exclude); elsewhere eve
 whose path no .gitignore on the way matches. DIR's `.hangarinclude` (gitignore syntax)
 brings back files .gitignore leaves out (data, small weights); whatever DIR's
 `.hangarignore` (the same syntax) matches is left out all the same, and `.git` always.
-`Packed.left_out` says what was left out, by which rule, and how much. A symlink whose
-target lies inside DIR is packed as a relative symlink, never followed; one that points
-outside DIR is refused (it would not exist on the node) with the fix: ignore it, or copy
-its target in.
+A directory .gitignore leaves out whole (.venv, node_modules) is one entry, as git lists
+it: looked into only when a .hangarinclude rule names it or a path in it, otherwise only
+counted for the report, up to SIZED_ENTRIES. `Packed.left_out` says what was left out, by
+which rule, and how much. A symlink whose target lies inside DIR is packed as a relative
+symlink, never followed; one that points outside DIR is refused (it would not exist on
+the node) with the fix: ignore it, or copy its target in.
 
 The tarball is made the same way every time (sorted paths, no times, owners or umask in
 it, gzip without a timestamp), so an unchanged tree has the same sha256 and the server,
@@ -17,6 +19,7 @@ asked first, needs nothing uploaded.
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import hashlib
 import io
@@ -24,6 +27,7 @@ import os
 import stat
 import subprocess
 import tarfile
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ GITIGNORE = ".gitignore"
 SHOWN_RULES = 4  # rules named per reason on a line of `hangar submit --code`
 REPORTED_RULES = 20  # rules per reason in --json
 EXAMPLES = 3
+SIZED_ENTRIES = 1000  # entries counted in a directory left out whole; past them its figures are "at least"
 UNPACK_LIMIT_MB = 1024  # `hangar code`: what a downloaded snapshot may unpack to (the server's limit is lower)
 UNPACK_LIMIT_FILES = 1_000_000
 GIT_TIMEOUT = 30
@@ -64,6 +69,7 @@ class Group:
     files: int = 0
     size: int = 0
     examples: list[str] = field(default_factory=list)
+    complete: bool = True  # False: a directory too big to count; files and size are at least these
 
     def add(self, path: str, size: int) -> None:
         self.files, self.size = self.files + 1, self.size + size
@@ -71,11 +77,11 @@ class Group:
             self.examples.append(path)
 
     def text(self) -> str:
-        return f"{self.rule} ({plural(self.files, 'file')}, {mb(self.size)})"
+        return f"{self.rule} ({figures(self.files, self.size, self.complete)})"
 
     def as_dict(self) -> dict:
         shown = {"reason": self.reason, "rule": self.rule, "files": self.files, "bytes": self.size}
-        return shown | {"examples": self.examples}
+        return shown | {"complete": self.complete, "examples": self.examples}
 
 
 class Tally:
@@ -84,12 +90,37 @@ class Tally:
     def __init__(self):
         self.groups: dict[tuple[str, str], Group] = {}
 
+    def group(self, reason: str, rule: str) -> Group:
+        return self.groups.setdefault((reason, rule), Group(reason, rule))
+
     def add(self, reason: str, rule: str, root: Path, path: str) -> None:
         try:
-            size = (root / path).lstat().st_size
+            size = os.lstat(os.path.join(root, path)).st_size
         except OSError:
             size = 0
-        self.groups.setdefault((reason, rule), Group(reason, rule)).add(path, size)
+        self.group(reason, rule).add(path, size)
+
+    def add_tree(self, reason: str, rule: str, root: Path, directory: str) -> None:
+        """The files of `directory`, left out whole, counted without walking past SIZED_ENTRIES
+        (a .venv or node_modules holds tens of thousands)."""
+        todo, seen = deque([directory.rstrip("/")]), 0
+        while todo:
+            here = todo.popleft()  # breadth first: the examples are its top files
+            try:
+                with os.scandir(os.path.join(root, here)) as listing:
+                    entries = sorted(listing, key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                seen += 1
+                if seen > SIZED_ENTRIES:
+                    self.group(reason, rule).complete = False
+                    return
+                rel = f"{here}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(rel)
+                else:
+                    self.add(reason, rule, root, rel)
 
     def of(self, reason: str) -> list[Group]:
         return sorted((g for g in self.groups.values() if g.reason == reason), key=lambda g: (-g.size, g.rule))
@@ -144,7 +175,13 @@ def summary(what: str, groups: list[Group]) -> str:
     files, size = sum(g.files for g in groups), sum(g.size for g in groups)
     shown = ", ".join(g.text() for g in groups[:SHOWN_RULES])
     more = f" and {plural(len(groups) - SHOWN_RULES, 'more rule')}" if len(groups) > SHOWN_RULES else ""
-    return f"{what}: {plural(files, 'file')}, {mb(size)}: {shown}{more}"
+    return f"{what}: {figures(files, size, all(g.complete for g in groups))}: {shown}{more}"
+
+
+def figures(files: int, size: int, complete: bool) -> str:
+    if complete:
+        return f"{plural(files, 'file')}, {mb(size)}"
+    return f"{files}+ files, {mb(size).replace(' ', '+ ')}"  # at least
 
 
 def plural(count: int, noun: str) -> str:
@@ -185,12 +222,15 @@ def collect(root: Path, tally: Tally) -> tuple[list[Entry], list[str]]:
     what the ignore files left out or brought back goes to `tally`."""
     paths, gitignored = listed(root)
     include, ignore = ignore_spec(root / INCLUDE_FILE), ignore_spec(root / IGNORE_FILE)
-    wanted = set(paths)
+    brought = set()
     for rel, rule in gitignored.items():
-        if rule_of(include, rel) is not None:
-            wanted.add(rel)
+        if rel.endswith("/"):
+            brought.update(from_ignored_directory(root, rel, rule, include, tally))
+        elif rule_of(include, rel) is not None:
+            brought.add(rel)
         else:
             tally.add(GITIGNORE, rule, root, rel)
+    wanted = set(paths) | brought
     entries, skipped, outside = [], [], []
     for rel in sorted(wanted):
         if rel == ".git" or rel.startswith(".git/"):
@@ -205,7 +245,7 @@ def collect(root: Path, tally: Tally) -> tuple[list[Entry], list[str]]:
             skipped.append(f"{rel} ({problem})")
         elif entry is not None:
             entries.append(entry)
-            if rel in gitignored:
+            if rel in brought:
                 tally.add(INCLUDE_FILE, rule_of(include, rel), root, rel)
     if outside:
         shown = "; ".join(outside[:5]) + (f"; and {len(outside) - 5} more" if len(outside) > 5 else "")
@@ -216,9 +256,56 @@ def collect(root: Path, tally: Tally) -> tuple[list[Entry], list[str]]:
     return entries, skipped
 
 
+def from_ignored_directory(root: Path, directory: str, rule: str, include, tally: Tally) -> list[str]:
+    """The files .hangarinclude brings back from `directory` (which .gitignore leaves out
+    whole); the rest goes to `tally` under `rule`. Walked only when an include rule names it
+    or a path in it: otherwise it is only counted."""
+    if rule_of(include, directory) is None and not any(enters(p, directory) for p in include_patterns(include)):
+        tally.add_tree(GITIGNORE, rule, root, directory)
+        return []
+    brought = []
+    for rel in files_under(root, directory):
+        if rule_of(include, rel) is not None:
+            brought.append(rel)
+        else:
+            tally.add(GITIGNORE, rule, root, rel)
+    return brought
+
+
+def include_patterns(spec) -> list[str]:
+    return [] if spec is None else [p.pattern for p in spec.patterns if p.include]
+
+
+def enters(pattern: str, directory: str) -> bool:
+    """Whether `pattern` may match a path below `directory`: it has a slash before its end and
+    its leading names fit the directory's (`data/**/*.bin`; `**/x` fits any). A bare name
+    (`*.bin`) matches what .gitignore leaves out file by file: like git's own rules, it does
+    not reach into a directory left out whole."""
+    names, parts = pattern.strip("/").split("/"), directory.rstrip("/").split("/")
+    for name, part in zip(names, parts, strict=False):
+        if name == "**":
+            return len(names) > 1
+        # fnmatch reads escapes and [^...] otherwise than git: such a name is taken to fit.
+        if not ("\\" in name or "[" in name or fnmatch.fnmatchcase(part, name)):
+            return False
+    return len(names) > len(parts)
+
+
+def files_under(root: Path, directory: str) -> list[str]:
+    """Every file and symlink under `directory` (a symlinked directory is one, never walked)."""
+    found = []
+    for here, dirs, files in os.walk(root / directory, followlinks=False):
+        rel_dir = os.path.relpath(here, root).replace(os.sep, "/")
+        links = [d for d in dirs if os.path.islink(os.path.join(here, d))]
+        dirs[:] = [d for d in dirs if d != ".git" and d not in links]
+        found += [f"{rel_dir}/{name}" for name in [*files, *links]]
+    return found
+
+
 def listed(root: Path) -> tuple[list[str], dict[str, str]]:
     """What git would commit from `root` (outside git: what no .gitignore matches), and what
-    .gitignore leaves out, each path with the rule that does."""
+    .gitignore leaves out, each path with the rule that does: files, and a directory left out
+    whole as one path ending in "/"."""
     paths = git_paths(root)
     if paths is None:
         return walked_paths(root)
@@ -266,13 +353,14 @@ def git_paths(root: Path) -> list[str] | None:
 
 
 def git_ignored(root: Path) -> dict[str, str]:
-    """The untracked files .gitignore (or .git/info/exclude, or git's global excludes) leaves
-    out, each with its rule as `git check-ignore -v` names it."""
-    listed = git(root, "ls-files", "-oi", "--exclude-standard", "-z")
-    paths = [p for p in (listed or "").split("\0") if p]
+    """What .gitignore (or .git/info/exclude, or git's global excludes) leaves out, each path
+    with its rule as `git check-ignore -v` names it. `git status --ignored=matching` lists a
+    directory an ignore rule matches as one path, never reading into it (ls-files -oi would)."""
+    status = git(root, "status", "--porcelain", "-z", "--ignored=matching", "-unormal", "--no-renames", "--", ".")
+    prefix = (git(root, "rev-parse", "--show-prefix") or "").strip()
+    paths = ignored_paths(status or "", prefix, root)
     if not paths:
         return {}
-    prefix = (git(root, "rev-parse", "--show-prefix") or "").strip()
     answer = git(root, "check-ignore", "-v", "-z", "--stdin", stdin="\0".join(paths) + "\0", ok=(0, 1)) or ""
     fields = answer.split("\0")
     rules = {}
@@ -283,19 +371,32 @@ def git_ignored(root: Path) -> dict[str, str]:
     return {path: rules.get(path, GITIGNORE) for path in paths}
 
 
+def ignored_paths(status: str, prefix: str, root: Path) -> list[str]:
+    """The `!!` paths of `git status --porcelain -z`, relative to `root` (git names them from
+    the top of the work tree). When `root` itself lies in an ignored directory, what is in it."""
+    paths = []
+    for line in status.split("\0"):
+        if not line.startswith("!! "):
+            continue
+        path = line[3:]
+        if path.endswith("/") and prefix.startswith(path):  # root is in it: so is each of its entries
+            with os.scandir(root) as entries:
+                return [e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries if e.name != ".git"]
+        paths.append(path.removeprefix(prefix))
+    return paths
+
+
 def walked_paths(root: Path) -> tuple[list[str], dict[str, str]]:
-    """Every file under `root` that no .gitignore on its way matches, and those one does with
-    the rule that does (a directory's rule for everything in it: git reads no further)."""
+    """Every file under `root` that no .gitignore on its way matches, and what one does leave
+    out with its rule: files, and a directory as one path ending in "/" (not walked, as git)."""
     specs: list[tuple[str, object]] = []  # (directory relative to root, its .gitignore spec)
     found: list[str] = []
     gitignored: dict[str, str] = {}
-    ignored_dirs: dict[str, str] = {}  # an ignored directory and the rule that ignores it
     for here, dirs, files in os.walk(root, followlinks=False):
         rel_dir = os.path.relpath(here, root).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir
-        inherited = ignored_dirs.get(rel_dir)
         specs = [(base, spec) for base, spec in specs if rel_dir == base or rel_dir.startswith(base + "/") or not base]
-        spec = ignore_spec(Path(here) / GITIGNORE) if inherited is None else None
+        spec = ignore_spec(Path(here) / GITIGNORE)
         if spec is not None:
             specs.append((rel_dir, spec))
         kept_dirs = []
@@ -305,14 +406,14 @@ def walked_paths(root: Path) -> tuple[list[str], dict[str, str]]:
                 continue
             if os.path.islink(os.path.join(here, name)):  # packed as a symlink, never walked into
                 files.append(name)
-                continue
-            if rule := inherited or ignored(rel + "/", specs):
-                ignored_dirs[rel] = rule
-            kept_dirs.append(name)
+            elif rule := ignored(rel + "/", specs):
+                gitignored[rel + "/"] = rule
+            else:
+                kept_dirs.append(name)
         dirs[:] = kept_dirs
         for name in files:
             rel = f"{rel_dir}/{name}" if rel_dir else name
-            if rule := inherited or ignored(rel, specs):
+            if rule := ignored(rel, specs):
                 gitignored[rel] = rule
             else:
                 found.append(rel)
@@ -386,7 +487,9 @@ def tarball(root: Path, entries: list[Entry]) -> bytes:
 def git(root: Path, *args: str, stdin: str | None = None, ok: tuple[int, ...] = (0,)) -> str | None:
     feed = {"input": stdin.encode()} if stdin is not None else {"stdin": subprocess.DEVNULL}
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT, **feed)
+        # No optional locks: `git status` would take the index lock of the user's own git commands.
+        argv = ["git", "--no-optional-locks", "-C", str(root), *args]
+        done = subprocess.run(argv, capture_output=True, timeout=GIT_TIMEOUT, **feed)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.decode(errors="replace") if done.returncode in ok else None

@@ -1,11 +1,10 @@
 """Reading a code snapshot's tar.gz within fixed bounds: the portal checks an upload with it
 (jobs/snapshots.py), the agent checks and unpacks it again (agent/snapshots.py), and `hangar
-code` unpacks with hangar/tarballs.py, a copy of this file (the client imports no server
-code; tests/test_snapshots_tarballs.py keeps the two the same). Standard library only.
+code` unpacks with it (hangar/snapshots.py). Standard library only: the client shares it.
 
 tarfile reads a GNU long-name or long-link header and a pax header whole into memory, and
-gzip inflates without bound: a 783 KB upload can make it hold a 768 MiB "name". So the gzip
-stream is inflated through `Gunzip`, which refuses past a byte limit, and every header block
+an unbounded inflate can make a 783 KB upload hold a 768 MiB "name". So the gzip stream is
+inflated in bounded reads, refused past a byte limit (`Guarded`), and every header block
 passes `HeaderWalk` before tarfile reads it, at the offsets where tarfile will read it: an
 extension header over MAX_HEADER_BYTES, a sparse or unknown member type, and a pax record
 that would move tarfile's offsets (`size`, `GNU.sparse.*`) are refused there. The members
@@ -13,6 +12,7 @@ tarfile then reads are checked (`member_problem`, `check_tree`), and `extract` w
 itself: it needs no extraction filter, which tarfile has only from Python 3.11.4.
 """
 
+import gzip
 import os
 import posixpath
 import shutil
@@ -32,8 +32,6 @@ MAX_NAME_BYTES = 255  # one path component (NAME_MAX): a longer one cannot be wr
 MAX_EXTENSION_BYTES = 32 * 1024 * 1024  # long names and pax headers in all: names are held in memory
 MAX_RESOLVE_STEPS = 1_000_000  # path components walked to resolve all of a snapshot's symlinks
 READ_BYTES = 256 * 1024  # what tarfile reads at a time (its bufsize), inflated
-RAW_READ_BYTES = 1024 * 1024  # compressed: one read covers several of tarfile's
-GZIP = 16 + zlib.MAX_WBITS
 WITH_DATA = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 WITHOUT_DATA = (tarfile.LNKTYPE, tarfile.SYMTYPE, tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.DIRTYPE, tarfile.FIFOTYPE)
 EXTENSIONS = {
@@ -43,6 +41,7 @@ EXTENSIONS = {
     tarfile.XGLTYPE: "pax global header",
 }
 PAX = (tarfile.XHDTYPE, tarfile.XGLTYPE)
+HIGH_BYTES = bytes(range(128, 256))
 NOT_READABLE = "send what `hangar submit --code` packs"
 
 
@@ -75,43 +74,6 @@ def mib(size: int) -> str:
 
 
 # --- inflating, header by header ---------------------------------------------------------------
-
-
-class Gunzip:
-    """The tar stream inside a gzip file (several members, as `cat a.gz b.gz` makes, are one
-    stream), refused once more than `limit` bytes come out of it."""
-
-    def __init__(self, raw, limit: int):
-        self.raw, self.limit, self.out = raw, limit, 0
-        self.inflate = zlib.decompressobj(wbits=GZIP)
-        self.pending = b""  # read from `raw`, not yet inflated
-
-    def read(self, size: int = -1) -> bytes:
-        size = size if size is not None and size > 0 else READ_BYTES
-        while True:
-            if not self.pending:
-                self.pending = self.raw.read(RAW_READ_BYTES)
-                if not self.pending:
-                    if self.out and not self.inflate.eof:
-                        raise SnapshotRefused("body", f"is not a readable tar.gz (cut short); {NOT_READABLE}")
-                    return b""
-            if self.inflate.eof:  # another gzip member follows
-                self.inflate = zlib.decompressobj(wbits=GZIP)
-            data = self.inflate.decompress(self.pending, size)
-            self.pending = self.inflate.unused_data if self.inflate.eof else self.inflate.unconsumed_tail
-            if data:
-                return self.count(data)
-
-    def count(self, data: bytes) -> bytes:
-        self.out += len(data)
-        if self.out > self.limit:
-            raise SnapshotRefused(
-                "body",
-                f"it inflates to more than {mib(self.limit)} of tar: its files' bytes (HANGAR_SNAPSHOT_MAX_MB) "
-                f"and {HEADER_BYTES_PER_FILE} bytes of headers per file (HANGAR_SNAPSHOT_MAX_FILES)",
-                413,
-            )
-        return data
 
 
 class HeaderWalk:
@@ -149,12 +111,11 @@ class HeaderWalk:
         if block.count(0) == BLOCK:
             self.ended = True  # tarfile ends the archive at the first zero block
             return
-        try:
-            size, checksum = tarfile.nti(block[124:136]), tarfile.nti(block[148:156])
-        except tarfile.HeaderError:
+        size, checksum = octal(block[124:136]), octal(block[148:156])
+        if size is None or checksum is None:
             raise refused("a tar header has a field that is not a number")
-        if checksum not in tarfile.calc_chksums(block) or size < 0:
-            raise refused("a tar header is damaged (its checksum or size)")
+        if checksum not in checksums(block):
+            raise refused("a tar header is damaged (its checksum)")
         kind = block[156:157]
         if kind in EXTENSIONS:
             self.extension(kind, size)
@@ -197,18 +158,45 @@ class HeaderWalk:
         self.pax, self.want = False, BLOCK
 
 
+def octal(field: bytes) -> int | None:
+    """A header's number as tarfile reads it: octal digits, ended by NUL or space. None for
+    anything else, base-256 too (GNU's for files over 8 GiB: no snapshot member is)."""
+    digits = field.split(b"\0", 1)[0].strip()
+    if digits.strip(b"01234567"):
+        return None
+    return int(digits or b"0", 8)
+
+
+def checksums(block: bytes) -> tuple[int, int]:
+    """A header's checksum as writers sum it, unsigned or signed (old tars), the checksum field
+    itself counted as eight spaces; tarfile accepts either."""
+    rest = block[:148] + block[156:]
+    unsigned = 256 + sum(rest)
+    return unsigned, unsigned - 256 * (len(rest) - len(rest.translate(None, HIGH_BYTES)))
+
+
 def refused(problem: str) -> SnapshotRefused:
     return SnapshotRefused("body", f"{problem}; {NOT_READABLE}")
 
 
 class Guarded:
-    """What tarfile reads: the inflated stream, each header walked before it is handed on."""
+    """What tarfile reads: the tar stream inside the gzip file (read in bounded pieces, so it
+    never inflates more than asked), refused past `limit` bytes, each header walked first."""
 
     def __init__(self, raw, limit: int):
-        self.gunzip, self.walk = Gunzip(raw, limit), HeaderWalk()
+        self.inflated, self.limit, self.out = gzip.GzipFile(fileobj=raw, mode="rb"), limit, 0
+        self.walk = HeaderWalk()
 
     def read(self, size: int = -1) -> bytes:
-        data = self.gunzip.read(size)
+        data = self.inflated.read(size if size is not None and size > 0 else READ_BYTES)
+        self.out += len(data)
+        if self.out > self.limit:
+            raise SnapshotRefused(
+                "body",
+                f"it inflates to more than {mib(self.limit)} of tar: its files' bytes (HANGAR_SNAPSHOT_MAX_MB) "
+                f"and {HEADER_BYTES_PER_FILE} bytes of headers per file (HANGAR_SNAPSHOT_MAX_FILES)",
+                413,
+            )
         self.walk.feed(data)
         return data
 
@@ -220,7 +208,7 @@ def opened(raw, limit: int) -> Iterator[tarfile.TarFile]:
     try:
         with tarfile.open(fileobj=Guarded(raw, limit), mode="r|", bufsize=READ_BYTES) as tar:
             yield tar
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise SnapshotRefused("body", f"is not a readable tar.gz ({exc}); {NOT_READABLE}")
 
 

@@ -503,3 +503,63 @@ def test_the_node_cache_evicts_the_least_recently_used_entries_but_not_one_in_us
     (tmp_path / ".unpack-x").mkdir()  # an unpacking in progress is no entry
     assert node_snapshots.evict(tmp_path, keep=1) == ["older", "old"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".unpack-x", "busy", "new"]
+
+
+# --- the fresh copy and what a job can write ------------------------------------------------------
+
+PLANT = """
+import os, sys
+print("uid", os.getuid(), flush=True)
+if os.environ["HANGAR_ATTEMPT"] == "1":
+    try:  # where attempt 2's copy will be made, a link to a directory of the job's choosing
+        os.symlink(sys.argv[1], os.path.join(os.getcwd(), "..", "code-2-0"))
+        print("planted code-2-0", flush=True)
+    except OSError as exc:
+        print("refused code-2-0", exc.strerror, flush=True)
+    open("mine.txt", "w").write("attempt 1")
+    sys.exit(1)
+print("attempt 2 sees", sorted(os.listdir(".")), flush=True)
+"""
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("bwrap"), reason="job uids need the agent to run as root")
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="needs a python3 that job uids can run")
+@pytest.mark.parametrize("sandbox", [True, False])
+def test_a_job_cannot_plant_a_link_where_the_next_attempts_copy_goes(
+    transactional_db, project, owner, settings, sandbox
+):
+    """Root copies each attempt's code into the job's directory: the job (its own uid, with or
+    without bubblewrap) tries to put a symlink to another directory where attempt 2's copy
+    will be made; the directory is root's, so it cannot, and attempt 2 gets a fresh copy."""
+    public = Path(tempfile.mkdtemp(prefix="hangar-snapshot-"))
+    public.chmod(0o755)  # job uids can reach it (pytest's tmp_path is root's alone)
+    try:
+        settings.HANGAR_JOB_WORKDIR, settings.HANGAR_SNAPSHOT_CACHE_DIR = public / "jobs", public / "cache"
+        settings.HANGAR_SANDBOX, settings.HANGAR_JOB_UID_RANGE = sandbox, (200000, 299999)
+        victim = public / "victim"
+        victim.mkdir(mode=0o777)  # a directory the job could write itself, so a link to it is its to make
+        running.CURRENT = None
+        GPU.objects.filter(node=make_node()).update(temperature_c=35, sampled_at=timezone.now())
+        snapshot = make_snapshot(project, owner, {"train.py": PLANT}, public / "src")
+        command = [SYSTEM_PYTHON, "train.py", str(victim)]
+        job = make_job(project, owner, command=command, snapshot=snapshot, code={"snapshot": snapshot.sha256})
+        Job.objects.filter(pk=job.pk).update(max_retries=1)
+        jobdir = public / "jobs" / str(job.pk)
+        for number in (1, 2):
+            (attempt,) = scheduler.schedule_pass()
+            execution.run_attempt(attempt.pk)
+            if number == 1:  # in a sandbox the link lands in its own view of the parent, never on the host
+                assert not (jobdir / "code-2-0").exists() and not (jobdir / "code-2-0").is_symlink()
+        job.refresh_from_db()
+        lines = LogLine.objects.filter(attempt__job=job).order_by("attempt__number", "seq")
+        texts = list(lines.values_list("text", flat=True))
+        assert any(t.startswith("uid 2") for t in texts), texts  # the setup: it ran as a job uid
+        assert sandbox or "refused code-2-0 Permission denied" in texts, texts
+        assert job.state == JobState.SUCCEEDED, texts
+        assert "attempt 2 sees ['train.py']" in texts  # a fresh copy: nothing attempt 1 wrote
+        assert list(victim.iterdir()) == []
+        assert (jobdir.stat().st_uid, jobdir.stat().st_mode & 0o777) == (0, 0o711)
+    finally:
+        running.CURRENT = None
+        shutil.rmtree(public, ignore_errors=True)

@@ -7,12 +7,13 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from hangar.snapshots import SnapshotError, pack
+from hangar.snapshots import SIZED_ENTRIES, SnapshotError, pack
 
 GITIGNORE = "\n".join(
     [".DS_Store", ".idea", ".ipynb_checkpoints/", ".vscode", "__pycache__/", "*.bin", "*.pkl", "*.pt", "*.pyc"]
@@ -148,3 +149,96 @@ def test_what_it_says_stays_short_however_many_rules_match(tmp_path):
     report = packed.report()
     assert len(report["left_out"]) == 20 and all(len(g["examples"]) == 3 for g in report["left_out"])
     assert len(json.dumps(report)) < 5000
+
+
+# --- directories left out whole (.venv, node_modules) -------------------------------------------
+
+
+def with_venv(root: Path, dirs: int = 300, files: int = 10) -> Path:
+    """`root` with a .venv/ of `dirs` directories of `files` files each, as .gitignore leaves out."""
+    (root / "train.py").parent.mkdir(parents=True, exist_ok=True)
+    (root / "train.py").write_text("print('training')\n")
+    (root / ".gitignore").write_text(".venv/\n")
+    for d in range(dirs):
+        (root / ".venv" / f"pkg{d:03}").mkdir(parents=True)
+        for f in range(files):
+            (root / ".venv" / f"pkg{d:03}" / f"m{f}.py").write_text("x = 1\n")
+    return root
+
+
+COUNT_SCANDIRS = """
+import json, sys
+sys.path.insert(0, {base!r})
+from hangar.snapshots import pack
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "os.scandir" else None)
+packed = pack(sys.argv[1])
+venv = [p for p in opened if "/.venv" in p]
+print(json.dumps({{"lines": packed.lines(), "left_out": packed.report()["left_out"], "venv_dirs_opened": len(venv)}}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["git", "plain"])
+def test_a_directory_left_out_whole_is_counted_within_a_bound_never_walked_through(kind, tmp_path):
+    root = with_venv(tmp_path / "proj")
+    if kind == "git":
+        git(root, "init", "-q")
+        git(root, "add", ".")
+        git(root, "commit", "-qm", "first")
+    script = COUNT_SCANDIRS.format(base=str(Path(__file__).resolve().parent.parent))
+    done = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    (group,) = said["left_out"]
+    assert (group["rule"], group["complete"]) == (".venv/", False)
+    assert 0 < group["files"] <= SIZED_ENTRIES and group["examples"][0] == ".venv/pkg000/m0.py"
+    assert said["lines"][0].startswith(f"left out by .gitignore: {group['files']}+ files, ")
+    assert f".venv/ ({group['files']}+ files, " in said["lines"][0]
+    assert said["venv_dirs_opened"] < 300 // 2, said["venv_dirs_opened"]  # of its 301 directories
+
+
+@pytest.mark.parametrize("kind", ["git", "plain"])
+def test_hangarinclude_looks_into_an_ignored_directory_only_when_a_rule_names_a_path_in_it(kind, tmp_path):
+    root = with_venv(tmp_path / "proj", dirs=3, files=2)
+    (root / ".gitignore").write_text(".venv/\ndata/\n*.bin\n")
+    (root / "data" / "sub").mkdir(parents=True)
+    (root / "data" / "sub" / "input.txt").write_text("to be or not")
+    (root / "data" / "sub" / "cache.bin").write_text("c")
+    (root / "weights.bin").write_text("w")
+    if kind == "git":
+        git(root, "init", "-q")
+        git(root, "add", ".")
+        git(root, "commit", "-qm", "first")
+
+    (root / ".hangarinclude").write_text("*.bin\n")  # a bare name: the .bin files left out one by one
+    packed = pack(root)
+    assert "weights.bin" in members(packed.data) and "data/sub/cache.bin" not in members(packed.data)
+    rules = {g["rule"]: (g["files"], g["complete"]) for g in packed.report()["left_out"]}
+    assert rules == {"data/": (2, True), ".venv/": (6, True)}
+
+    (root / ".hangarinclude").write_text("data/**/input.txt\n")  # a path in data/
+    carried = members(pack(root).data)
+    assert "data/sub/input.txt" in carried and "data/sub/cache.bin" not in carried
+
+    (root / ".hangarinclude").write_text("data/\n")  # the directory itself
+    packed = pack(root)
+    assert {"data/sub/input.txt", "data/sub/cache.bin"} <= set(members(packed.data))
+    assert [(g["rule"], g["files"]) for g in packed.report()["brought_back"]] == [("data/", 2)]
+    assert not any(name.startswith(".venv/") for name in members(packed.data))
+
+
+def test_a_directory_inside_an_ignored_one_packs_what_hangarinclude_brings_back(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "build" / "exp" / "sub").mkdir(parents=True)
+    (repo / ".gitignore").write_text("build/\n")
+    (repo / "build" / "exp" / "train.py").write_text("x")
+    (repo / "build" / "exp" / "sub" / "u.py").write_text("y")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "first")
+    with pytest.raises(SnapshotError, match="nothing to pack"):
+        pack(repo / "build" / "exp")
+    (repo / "build" / "exp" / ".hangarinclude").write_text("train.py\nsub/\n")
+    packed = pack(repo / "build" / "exp")
+    assert set(members(packed.data)) == {"train.py", "sub/u.py"}
+    assert {g["rule"] for g in packed.report()["brought_back"]} == {"train.py", "sub/"}

@@ -319,3 +319,60 @@ def test_unpacking_works_on_every_python_3_11_with_or_without_tarfiles_filter(py
         assert (tmp_path / side / "u.py").read_text() == "y" and (tmp_path / side / "u.py").is_symlink()
     if python == SYSTEM_PYTHON and tuple(map(int, said["version"].split(".")[:3])) < (3, 11, 4):
         assert said["filter"] is False  # the interpreter the old code failed on (TypeError: filter)
+
+
+# --- reading headers as tarfile does ------------------------------------------------------------
+
+
+def with_checksum(block: bytes, checksum: int) -> bytes:
+    return block[:148] + b"%06o\0 " % checksum + block[156:]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_header_walk_reads_sizes_and_checksums_as_tarfile_does(fmt):
+    member = info("d/é-ü.py" if fmt != tarfile.USTAR_FORMAT else "d/a.py", size=70_000, mode=0o755)
+    block = member.tobuf(format=fmt, encoding="utf-8")[-512:]  # the member's own header, after any pax one
+    assert hangar.tarballs.octal(block[124:136]) == 70_000
+    assert hangar.tarballs.octal(block[148:156]) in hangar.tarballs.checksums(block)
+    assert check(tar_gz((member, b"x" * 70_000), fmt=fmt)).size == 70_000
+
+
+def test_a_header_summed_with_signed_bytes_is_read_as_tarfile_reads_it():
+    """Old tar writers summed the header's bytes as signed chars: tarfile takes either sum."""
+    block = tarfile.TarInfo("é.py").tobuf(format=tarfile.GNU_FORMAT, encoding="utf-8")
+    signed = 256 + sum(b - 256 if b > 127 else b for b in block[:148] + block[156:])
+    old = with_checksum(block, signed)
+    assert signed != hangar.tarballs.checksums(block)[0]  # the setup: the two sums differ
+    with tarfile.open(fileobj=io.BytesIO(old + b"\0" * 1024)) as tar:
+        assert tar.getnames() == ["é.py"]
+    assert check(gzip_bytes(old + b"\0" * 1024)).files == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [(b"00000000644\0", 0o644), (b" 644 " + b"\0" * 7, 0o644), (b"\0" * 12, 0), (b"12\0garbage\0\0", 0o12)]
+    + [(b"0o644" + b"\0" * 7, None), (b"-644" + b"\0" * 8, None)],
+)
+def test_a_size_field_is_read_as_tarfile_reads_it_or_refused(field, value):
+    block = tarfile.TarInfo("a").tobuf(format=tarfile.GNU_FORMAT)
+    block = block[:124] + field + block[136:]
+    block = with_checksum(block, hangar.tarballs.checksums(block)[0])
+    assert hangar.tarballs.octal(field) == value
+    if value is not None:  # where the walk reads a number, tarfile reads the same one
+        assert tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").size == value
+
+
+def test_a_size_in_base_256_is_refused_though_tarfile_would_read_it():
+    block = info("big", size=9 * 1024**3).tobuf(format=tarfile.GNU_FORMAT)
+    assert block[124] == 0x80  # the setup: GNU's base-256 for a size past 8 GiB
+    with pytest.raises(SnapshotRefused, match="a tar header has a field that is not a number"):
+        check(gzip_bytes(block + b"\0" * 1024))
+
+
+def test_a_tarball_in_several_gzip_members_is_one_stream():
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("a.py", "b.py"):
+            tar.addfile(info(name, size=1), io.BytesIO(b"x"))
+    raw = out.getvalue()
+    assert check(gzip_bytes(raw[:1024]) + gzip_bytes(raw[1024:])).files == 2  # as `cat a.gz b.gz` makes
