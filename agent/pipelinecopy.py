@@ -158,7 +158,7 @@ def copy_into_place(run, root: int, source: int, user, say, still_current, label
         return result["copied"]
     finally:
         os.close(source)
-        remove_tree(root, partial)  # gone already when renamed into place
+        sandbox.remove_tree(root, partial)  # gone already when renamed into place
 
 
 def run_copy(run, source: int, target: int, user, label: str, still_current) -> dict:
@@ -299,28 +299,6 @@ def rename_into_place(root: int, partial: str, name: str) -> bool:
     except FileNotFoundError:
         os.rename(partial, name, src_dir_fd=root, dst_dir_fd=root)
         return True
-
-
-def remove_tree(parent: int, name: str, depth: int = 0) -> None:
-    """Remove `name` under `parent` and all in it, by descriptors: a link is removed, never followed."""
-    try:
-        fd = os.open(name, DIRECTORY, dir_fd=parent)
-    except FileNotFoundError:
-        return
-    except OSError:  # not a directory (or a link to one)
-        os.unlink(name, dir_fd=parent)
-        return
-    try:
-        with os.scandir(fd) as entries:
-            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-        for child, is_dir in names:
-            if is_dir and depth <= MAX_DEPTH:
-                remove_tree(fd, child, depth + 1)
-            else:
-                os.unlink(child, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent)
 
 
 def prepare_pipeline_dir(path: str, shared: bool, owners: Collection[int]) -> None:

@@ -336,6 +336,37 @@ ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 MAX_DEPTH = 64  # deeper folders are not walked: every level holds a descriptor
 
 
+def remove_tree(parent: int, name: str, depth: int = 0) -> None:
+    """Remove `name` under the directory `parent` and all in it, by descriptors: a link is removed,
+    never followed (shutil.rmtree opens each folder it lists without O_NOFOLLOW, as os.fwalk does)."""
+    try:
+        fd = os.open(name, DIRECTORY, dir_fd=parent)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(name, dir_fd=parent)  # a file, a FIFO or a link: removed, not opened
+        return
+    try:
+        if depth >= MAX_DEPTH:
+            raise OSError(errno.ELOOP, f"more than {MAX_DEPTH} folders deep", name)
+        for child in os.listdir(fd):
+            remove_tree(fd, child, depth + 1)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+def remove_path(path: Path) -> None:
+    """`remove_tree` of a path whose parent is Hangar's (a job's code copy, a check's scratch)."""
+    parent = os.open(path.parent, DIRECTORY)
+    try:
+        remove_tree(parent, path.name)
+    finally:
+        os.close(parent)
+
+
 def each_entry(top: int, visit: Callable[[int, os.stat_result], bool], depth: int = 0) -> None:
     """Every file and folder under the directory `top`, opened under its folder's descriptor and
     handed to `visit(fd, its fstat)`, which says whether to go into a folder. Not os.fwalk: it
@@ -582,7 +613,7 @@ def try_as_job(command: list[str], roots: list[str], timeout: float = 60) -> tup
     except (OSError, subprocess.TimeoutExpired) as exc:
         return 126, str(exc)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_path(scratch)
 
 
 PYTHON_PROBE = "import sys; print('python', sys.version.split()[0], sys.prefix)"

@@ -14,6 +14,7 @@ trouble (a full disk, a permission), which another node may not have.
 """
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -23,9 +24,12 @@ from pathlib import Path
 
 from django.conf import settings
 
+from agent import sandbox
 from hangar import tarballs
 from jobs import snapshots
 from jobs.models import Snapshot
+
+log = logging.getLogger("hangar.agent")
 
 _unpacking = threading.Lock()  # ranks of one agent unpack one at a time; other agents race safely by rename
 IN_USE_SECONDS = 600  # a cache entry used this recently may still be being copied: never evicted
@@ -125,9 +129,8 @@ def unpack(tarball: Path, tree: Path, sha256: str) -> int:
 def fresh_copy(job, workdir: Path) -> None:
     """`workdir` as a fresh copy of the job's snapshot: nothing an earlier attempt wrote is left."""
     source = cached(job.code["snapshot"], job.snapshot_id)
-    if workdir.exists() or workdir.is_symlink():
-        shutil.rmtree(workdir)
     workdir.parent.mkdir(parents=True, exist_ok=True)
+    sandbox.remove_path(workdir)  # an earlier attempt's, which its uid wrote: by descriptors
     os.chmod(workdir.parent, 0o711)  # job uids pass through to their own copy, never list the others
     # Root copies by path between two directories no job can write: the cache, and the job's
     # directory (its uid is given only the copy, afterwards, and the checkpoints beside it).
@@ -135,5 +138,9 @@ def fresh_copy(job, workdir: Path) -> None:
 
 
 def remove_copy(workdir: Path) -> None:
-    """A rank's copy once its processes are gone: a node keeps only the copies of running ranks."""
-    shutil.rmtree(workdir, ignore_errors=True)
+    """A rank's copy once its processes are gone: a node keeps only the copies of running ranks.
+    What the job wrote there is removed by descriptors (sandbox.remove_tree), never followed."""
+    try:
+        sandbox.remove_path(workdir)
+    except OSError as exc:
+        log.warning("the code copy %s was not removed: %s", workdir, exc)

@@ -379,3 +379,21 @@ while True:
     for name in names:
         os.rmdir(name); os.symlink("fifo", name); os.unlink(name); os.mkdir(name)
 """
+
+
+@as_root
+def test_removing_a_jobs_tree_removes_its_links_and_never_what_they_point_at(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("root's")
+    tree = tmp_path / "copy"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "file").write_text("x")
+    os.symlink(outside, tree / "a" / "link-to-dir")
+    os.symlink(outside / "keep", tree / "link-to-file")
+    os.mkfifo(tree / "fifo")
+
+    sandbox.remove_path(tree)
+    sandbox.remove_path(tree)  # gone: nothing to do
+
+    assert not tree.exists() and (outside / "keep").read_text() == "root's"
