@@ -36,7 +36,8 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -288,20 +289,29 @@ def join_decision(seen: int, expected: int, elapsed: float, limit: float, last_e
     return Join(True, False, f"{missing} within {limit:g} s{why}")
 
 
-def signal_go(workdir: Path) -> None:
-    """Let the driver start: the go file, made by root in the job's own directory, so through its
-    descriptor and never through a link the job put in the file's place (O_NOFOLLOW: refused)."""
+@contextmanager
+def job_directory(workdir: Path) -> Iterator[int]:
+    """The job's own directory as a descriptor: root makes and removes the go file in it through
+    this, never through a path whose links the job could swap (O_NOFOLLOW: a link is refused)."""
     directory = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.close(os.open(GO_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=directory))
+        yield directory
     finally:
         os.close(directory)
 
 
+def signal_go(workdir: Path) -> None:
+    """Let the driver start: the go file (a link the job put in its place is refused)."""
+    with job_directory(workdir) as directory:
+        os.close(os.open(GO_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=directory))
+
+
 def clean_up(workdir: Path, tmp: str) -> None:
     """After the rank's process group is gone: its go file, and Ray's session directory (on the
-    host when the job ran unsandboxed; a sandbox's /tmp went with it)."""
-    (workdir / GO_FILE).unlink(missing_ok=True)
+    host when the job ran unsandboxed; a sandbox's /tmp went with it; rmtree works through
+    descriptors and follows no link)."""
+    with suppress(OSError), job_directory(workdir) as directory:
+        os.unlink(GO_FILE, dir_fd=directory)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -408,7 +418,8 @@ GRPC_STATUS = re.compile(rb"grpc-status[\x00-\x7f](\d+)")
 def tokenless_status(host: str, port: int, timeout: float = 5.0) -> tuple[int | None, str]:
     """(grpc-status, evidence) of a call to the GCS at host:port without the token: the agent's
     own look at whether the cluster is closed (UNAUTHENTICATED), whatever the job's ray says of
-    itself. gRPC's C core writes its trailers as plain literals, which is all this reads."""
+    itself. Framed by hand: the agent has no gRPC client, and the job's (its ray, its grpcio)
+    would be the job's word again. gRPC's C core writes its trailers as plain literals."""
     got, deadline = b"", time.monotonic() + timeout
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:

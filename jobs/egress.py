@@ -11,6 +11,7 @@ is used. An operator may open networks of their own with HANGAR_WEBHOOK_ALLOW_NE
 import ipaddress
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -70,15 +71,20 @@ def refusal(ip: Address) -> str | None:
     if ip in METADATA:
         return "cloud metadata"
     for kind, net in REFUSED_NETS:
-        if ip.version == net.version and ip in net:
+        if ip in net:  # False across IP versions
             return kind
     return None if ip.is_global else "reserved"
 
 
-def operator_allows(ip: Address) -> bool:
+def listed(ip: Address, networks: list[str]) -> bool:
+    """Whether `ip` is in one of an operator's networks (an IPv4-mapped address as its IPv4 one)."""
     candidates = [ip, *([ip.ipv4_mapped] if ip.version == 6 and ip.ipv4_mapped else [])]
-    nets = [ipaddress.ip_network(n, strict=False) for n in settings.HANGAR_WEBHOOK_ALLOW_NETS]
-    return any(c.version == n.version and c in n for c in candidates for n in nets)
+    nets = [ipaddress.ip_network(n, strict=False) for n in networks]
+    return any(c in n for c in candidates for n in nets)
+
+
+def operator_allows(ip: Address) -> bool:
+    return listed(ip, settings.HANGAR_WEBHOOK_ALLOW_NETS)
 
 
 class Refused(Exception):
@@ -110,8 +116,20 @@ class Target:
         return self.url.raw_host.decode("ascii")
 
 
+# getaddrinfo has no deadline of its own: a name whose servers never answer would hold the page's
+# request (or a notifier) for as long as the system resolver retries. A few threads wait for it.
+RESOLVING = ThreadPoolExecutor(max_workers=8, thread_name_prefix="webhook-resolve")
+
+
 def system_resolver(host: str, port: int) -> list[str]:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    """The system's answer within HANGAR_WEBHOOK_TIMEOUT_SECONDS (an OSError past it)."""
+    limit = settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS
+    asked = RESOLVING.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        infos = asked.result(timeout=limit)
+    except TimeoutError:
+        asked.cancel()
+        raise TimeoutError(f"no answer within {limit:g} s") from None
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 

@@ -230,31 +230,32 @@ def ray_version_problem(requirement: Requirement) -> str | None:
 
 
 def with_floor(requirement: Requirement) -> str:
+    """A bare ray requirement (extras kept) bounded at RAY_MINIMUM."""
     bounded = Requirement(str(requirement))
     bounded.specifier = SpecifierSet(f">={RAY_MINIMUM}")
     return str(bounded)
 
 
 def ray_requirements(own: list[str], environment) -> tuple[list[str], tuple[str, str] | None]:
-    """A Ray job's own requirements, an unpinned ray bounded at RAY_MINIMUM; or (field, message)
-    when they or its cached environment's ask for a ray that may be older. uv installs only what
-    every ray requirement allows, so one bounded at the minimum is enough."""
+    """A Ray job's own requirements, a bare ray bounded at RAY_MINIMUM; or (field, message) when
+    they or its cached environment's ask for a ray that may be older. uv installs only what every
+    ray requirement allows, so one bounded at the minimum is enough."""
     theirs = environment.requirements if environment is not None and environment.cached else []
-    found = [(Requirement(text), mine) for mine, texts in ((True, own), (False, theirs)) for text in texts]
-    rays = [(req, mine, ray_version_problem(req)) for req, mine in found if req.name == "ray"]
-    if not rays or any(problem is None for _, _, problem in rays):
+    found = [(req, mine) for mine, texts in ((True, own), (False, theirs)) for req in map(Requirement, texts)]
+    rays = [(req, mine) for req, mine in found if req.name == "ray"]
+    if not rays or any(ray_version_problem(req) is None for req, _ in rays):
         return own, None
-    loose = [(req, mine, problem) for req, mine, problem in rays if req.specifier or req.marker]
-    if not loose:
-        others = [text for text in own if Requirement(text).name != "ray"]
-        return sorted({*others, *([with_floor(req) for req, mine, _ in rays if mine] or [RAY_FLOOR])}), None
-    _, mine, problem = loose[0]
+    loose = [(req, mine) for req, mine in rays if req.specifier or req.marker]
+    if not loose:  # only bare rays: bounded here, in the job's own requirements
+        bounded = [with_floor(req) if req.name == "ray" else str(req) for req in map(Requirement, own)]
+        return sorted({*bounded, *([] if names_ray(own) else [RAY_FLOOR])}), None
+    req, mine = loose[0]
     if mine:
-        return own, ("requirements", f"{problem}; {RAY_FIX}")
+        return own, ("requirements", f"{ray_version_problem(req)}; {RAY_FIX}")
     return own, (
         "environment",
-        f"environment {environment.name}: {problem}; name an environment whose ray is {RAY_MINIMUM} or newer, or "
-        f'none and give "requirements": ["{RAY_FLOOR}"]',
+        f"environment {environment.name}: {ray_version_problem(req)}; name an environment whose ray is "
+        f'{RAY_MINIMUM} or newer, or none and give "requirements": ["{RAY_FLOOR}"]',
     )
 
 

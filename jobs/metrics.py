@@ -38,6 +38,7 @@ from prometheus_client.utils import floatToGoString
 
 from fleet.gpus import THROTTLE_BITS
 from fleet.models import GPU, Node, NodeState
+from jobs import egress
 from jobs.models import ACTIVE_ATTEMPT_STATES, FINAL_JOB_STATES, Attempt, Job, JobState, LogLine
 from portal import metricstoken
 
@@ -104,10 +105,9 @@ def scrape_allowed(request: HttpRequest) -> bool:
 
 def address_allowed(address: str, allowed: list[str]) -> bool:
     try:
-        ip = ipaddress.ip_address(address)
+        return egress.listed(ipaddress.ip_address(address), allowed)
     except ValueError:
         return False
-    return any(ip in ipaddress.ip_network(entry, strict=False) for entry in allowed)
 
 
 class RequestMetricsMiddleware:

@@ -8,13 +8,14 @@ REDIS_URL switches to services mode (PostgreSQL, Redis) with the same code.
 import base64
 import ipaddress
 import os
-import secrets
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from portal import secretfile
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -90,18 +91,7 @@ def _secret_key() -> str:
     (0600; one readable by others is refused: every stored secret's key derives from it)."""
     if key := env_str("HANGAR_SECRET_KEY"):
         return key
-    path = DATA_DIR / "secret_key"
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(50))
-    mode = path.stat().st_mode & 0o777
-    if mode & 0o077:
-        raise ImproperlyConfigured(
-            f"{path} is readable by other users (mode {mode:04o}): every stored secret's key derives from it. "
-            f"Run `chmod 600 {path}` (and `chmod 700 {DATA_DIR}`), then start again"
-        )
-    return path.read_text().strip()
+    return secretfile.ensure(DATA_DIR / "secret_key", 50, "every stored secret's key derives from it")[0]
 
 
 SECRET_KEY = _secret_key()

@@ -66,7 +66,7 @@ def test_a_token_file_readable_by_others_is_refused(client, token_file, db):
 
 
 def test_an_empty_token_file_lets_nobody_in(client, token_file, db):
-    """A reader that finds the file between its creation and its write reads nothing: no token matches it."""
+    """A token file emptied by hand holds no token: none matches it."""
     token_file.write_text("")
     token_file.chmod(0o600)
     assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 401
@@ -135,3 +135,50 @@ def test_a_job_on_the_portal_host_cannot_scrape_metrics_from_loopback():
         assert (
             scraped.status_code == 200 and "hangar_node_info{" in scraped.text and 'Hostname="node-a"' in scraped.text
         )
+
+
+def race_for_the_secret(path, rounds: int = 50, racers: int = 4) -> list[list[tuple[str, bool]]]:
+    """`racers` processes call secretfile.ensure on one fresh path at the same moment, `rounds` times."""
+    import multiprocessing
+
+    from portal import secretfile
+
+    context = multiprocessing.get_context("fork")
+    results = []
+    for n in range(rounds):
+        target = path.with_name(f"{path.name}-{n}")
+        barrier, answers = context.Barrier(racers), context.Queue()
+
+        def racer(target=target, barrier=barrier, answers=answers):
+            barrier.wait()
+            answers.put(secretfile.ensure(target, 32, "a test's secret"))
+
+        procs = [context.Process(target=racer) for _ in range(racers)]
+        for proc in procs:
+            proc.start()
+        results.append([answers.get(timeout=30) for _ in procs])
+        for proc in procs:
+            proc.join(timeout=30)
+    return results
+
+
+def test_processes_starting_at_once_agree_on_one_secret_and_none_reads_it_half_written(tmp_path):
+    """Web, scheduler and agent may start together on a fresh data directory: each must get the
+    one secret that stays in the file, and exactly one of them says it made it."""
+    rounds = race_for_the_secret(tmp_path / "secret")
+    assert len(rounds) == 50
+    for n, answers in enumerate(rounds):
+        kept = (tmp_path / f"secret-{n}").read_text().strip()
+        assert len(kept) >= 40
+        assert {value for value, _ in answers} == {kept}, answers
+        assert sum(made for _, made in answers) == 1, answers
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"secret-{n}" for n in range(50)), "no temporary left"
+
+
+def test_an_allowed_network_admits_its_ipv4_mapped_form_and_nothing_else(client, settings, db):
+    """A dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d; the webhook check reads them so too."""
+    settings.HANGAR_METRICS_TOKEN = "s3cret-scrape"
+    settings.HANGAR_METRICS_ALLOW = ["10.0.0.0/8"]
+    assert client.get("/metrics", REMOTE_ADDR="::ffff:10.1.2.3").status_code == 200
+    assert client.get("/metrics", REMOTE_ADDR="::ffff:127.0.0.1").status_code == 401
+    assert client.get("/metrics", REMOTE_ADDR="10.1.2.3", HTTP_X_FORWARDED_FOR="::ffff:127.0.0.1").status_code == 401

@@ -8,6 +8,7 @@ import datetime
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 from django.test import Client
@@ -293,6 +294,40 @@ def test_tls_keeps_the_name_for_sni_and_checks_the_certificate(tmp_path, setting
     assert sni == ["hooks.example.test"]
     (entry,) = Delivery.objects.get(pk=pk).log
     assert entry["status"] is None and "CERTIFICATE_VERIFY_FAILED" in entry["error"], entry
+
+
+@pytest.fixture
+def silent_dns(monkeypatch):
+    """The system resolver, asked about a name whose servers never answer (a lookup that waits
+    until the test ends). Stands in for DNS, which this machine cannot be given for one test."""
+    released = threading.Event()
+
+    def never_answers(host, port, *args, **kwargs):
+        released.wait(60)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", never_answers)
+    yield
+    released.set()
+
+
+def test_a_name_that_never_resolves_holds_the_save_and_the_send_no_longer_than_the_timeout(
+    silent_dns, settings, owner, project
+):
+    settings.HANGAR_WEBHOOK_TIMEOUT_SECONDS = 0.5
+    page = Client()
+    page.force_login(owner)
+    started = time.monotonic()
+    shown = page.post("/notifications/", {"events": ["job.failed"], "channel": "webhook", "url": "https://slow.test/"})
+    assert time.monotonic() - started < 3
+    assert "slow.test does not resolve (no answer within 0.5 s)" in shown.context["form"].errors["url"][0]
+    Subscription.objects.create(user=owner, project=project, events=["job.failed"], url="https://slow.test/")
+    (pk,) = end_a_job(project, owner)
+    started = time.monotonic()
+    assert notify.deliver(pk) == "pending", "tried again later: the name may answer then"
+    assert time.monotonic() - started < 3
+    (entry,) = Delivery.objects.get(pk=pk).log
+    assert entry["status"] is None and "no answer within 0.5 s" in entry["error"], entry
 
 
 SECRET = "loss=0.31 on s3://nlp-private/dataset-v7 NCCL WARN net failed"

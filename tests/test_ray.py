@@ -502,3 +502,48 @@ def test_the_agents_tokenless_call_reads_the_gcss_answer():
     assert ray.tokenless_status("127.0.0.1", port) == (None, "no grpc-status in 28 bytes")
     status, evidence = ray.tokenless_status("127.0.0.1", port, timeout=1)  # nobody listens any more
     assert status is None and "ConnectionRefusedError" in evidence
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the attack needs a job uid other than the agent's: run as root")
+def test_a_job_that_swaps_its_directory_for_a_link_gets_root_to_touch_nothing_there(tmp_path):
+    """The agent (root) makes and removes the go file in the job's code directory, which the job
+    owns: the job replaces that directory with a link to a root-only folder holding a file of
+    the same name. Nothing there is removed, and no go file is made through the link."""
+    import shutil
+    import tempfile
+
+    job_uid = 299_971
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="hangar-ray-swap-"))  # a job uid can reach it
+    try:
+        base.chmod(0o711)
+        jobdir = base / "7"
+        jobdir.mkdir()
+        os.chown(jobdir, job_uid, job_uid)
+        workdir = jobdir / "code-1-0"
+        roots = base / "roots"
+        roots.mkdir(mode=0o700)
+        kept = roots / ray.GO_FILE
+        kept.write_text("root's own")
+        swap = (
+            f"import os; os.mkdir({str(workdir)!r}); os.rmdir({str(workdir)!r}); "
+            f"os.symlink({str(roots)!r}, {str(workdir)!r}); print('swapped', os.getuid())"
+        )
+        done = subprocess.run(
+            ["/usr/bin/python3", "-c", swap],
+            user=job_uid,
+            group=job_uid,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+        )
+        assert done.stdout.split() == ["swapped", str(job_uid)], done.stderr  # the job's own uid did it
+        assert workdir.is_symlink()
+
+        ray.clean_up(workdir, str(tmp_path / "no-session"))
+        assert kept.read_text() == "root's own"
+        kept.unlink()
+        with pytest.raises(OSError):
+            ray.signal_go(workdir)
+        assert not kept.exists()
+    finally:
+        shutil.rmtree(base)
