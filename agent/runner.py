@@ -792,7 +792,9 @@ class Runner:
         """Unless the cluster answers a call without its token (the job's own version check can be
         fooled by the job; this call cannot): then the attempt stops as the user's, before its driver."""
         status, evidence = raycluster.tokenless_status(self.master_addr(), self.ray_ports().gcs)
-        if status != 0:  # refused (UNAUTHENTICATED), or no answer: the join's own wait decides
+        if status is None:  # no answer it could read: the join's own wait decides; said for the operator
+            log.warning("attempt %s: the Ray GCS's tokenless answer was unreadable: %s", self.attempt.pk, evidence)
+        if status != 0:  # refused (UNAUTHENTICATED), or no answer
             return True
         minimum = raycluster.RAY_MINIMUM
         reason = f"ray: the cluster answered a call without its token ({evidence}); ask for ray>={minimum}"
