@@ -50,9 +50,7 @@ CLOSE_NOT_FOUND = wsauth.CLOSE_NOT_FOUND
 
 
 class AccessEnded(Exception):
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
+    """A read found the socket's token or session no longer signs its user in (closed with 4401)."""
 
 
 class JobLogConsumer(AsyncWebsocketConsumer):
@@ -134,6 +132,8 @@ class JobLogConsumer(AsyncWebsocketConsumer):
     async def subscribe(self, filters: dict, cursor: Cursor, announce: bool = True) -> None:
         """Stop the running subscription and start one with these filters from this cursor."""
         await self.stop_streaming()
+        if self.ended:  # its access ended: the close is on its way
+            return
         try:
             log_filter = LogFilter.parse(filters)
         except LogFilterError as exc:
@@ -149,8 +149,6 @@ class JobLogConsumer(AsyncWebsocketConsumer):
                 "cursor": cursor,
             }
             await self.send_json(subscribed)
-        if self.ended:
-            return
         self.pump = asyncio.create_task(self.stream(Subscription(self.sub, log_filter, cursor)))
 
     async def log_appended(self, message: LogAppendedHint):
@@ -161,10 +159,10 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             await self.follow(subscription)
         except asyncio.CancelledError:
             raise
-        except AccessEnded as ended:
-            log.info("log stream of job %s closed with %s: its access ended", self.job_id, ended.code)
+        except AccessEnded:
+            log.info("log stream of job %s closed with %s: its access ended", self.job_id, CLOSE_UNAUTHENTICATED)
             self.ended = True
-            await self.close(code=ended.code)
+            await self.close(code=CLOSE_UNAUTHENTICATED)
         except LogFilterError as exc:  # PostgreSQL refused the pattern RE2 accepted
             error: ErrorMessage = {"type": "error", "field": exc.field, "message": exc.message}
             await self.send_json(error)
@@ -218,7 +216,7 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         before = (sub.cursor["attempt"], sub.cursor["seq"])
         lines, cursor, more = read_page(self.job_id, sub.filter, before, BATCH if sub.read_any else FIRST_BATCH)
         if lines and not wsauth.scope_acts(self.scope):  # after the read: none read after a revocation goes out
-            raise AccessEnded(CLOSE_UNAUTHENTICATED)
+            raise AccessEnded
         sub.read_any = True
         errors = []
         while cursor != before and (line := first_error(self.job_id, sub.errors_sent)) is not None:

@@ -13,6 +13,7 @@ from django.db import transaction
 from django.dispatch import receiver
 from django.utils import timezone
 
+from jobs import tokenlimits
 from jobs.models import FINAL_JOB_STATES, FailureClass, Job, JobEvent, JobState
 from jobs.signals import attempt_finished, job_ended
 from portal import statements, wakeup
@@ -47,12 +48,13 @@ def standing(depends_on: list[dict]) -> Verdict:
     return verdict(depends_on, states)
 
 
-def settle(job: Job) -> None:
-    """Move a blocked job on if its dependencies now allow it (a conditional update: safe twice)."""
+def settle(job: Job, acting: dict | None = None) -> None:
+    """Move a blocked job on if its dependencies now allow it (a conditional update: safe twice).
+    `acting`: who may still start jobs, as found for the jobs settled before it in one pass."""
     now = timezone.now()
     found = standing(job.depends_on)
     blocked = Job.objects.filter(pk=job.pk, state=JobState.BLOCKED)
-    if found.kind == "met" and (refused := acting_refusal_for(job)):
+    if found.kind == "met" and (refused := tokenlimits.job_acting_refusal(job, acting)):
         # Its submitter's token was revoked, or they left the project, while it waited: it starts nothing.
         found = Verdict("never", refused)
     if found.kind == "met":
@@ -68,13 +70,6 @@ def settle(job: Job) -> None:
         blocked.exclude(state_reason=found.reason).update(state_reason=found.reason)
 
 
-def acting_refusal_for(job: Job) -> str | None:
-    """Why the user and token that submitted `job` may no longer start it (jobs/tokenlimits.py)."""
-    from jobs import tokenlimits
-
-    return tokenlimits.acting_refusal(job.submitted_by, job.submitted_with_id, job.project)
-
-
 def settle_dependents(job_id: int, project_id: int | None = None) -> None:
     """A job ended: settle the blocked jobs of its project that depend on it. `project_id`
     when the caller knows the job is over (and its project); read here otherwise."""
@@ -83,15 +78,17 @@ def settle_dependents(job_id: int, project_id: int | None = None) -> None:
         if job is None or job["state"] not in FINAL_JOB_STATES:
             return  # requeued, or a cancel only asked for: not over yet
         project_id = job["project_id"]
+    acting: dict = {}
     for dependent in blocked_in.rows(project_id=project_id):
         if any(d["job"] == job_id for d in dependent.depends_on):
-            settle(dependent)
+            settle(dependent, acting)
 
 
 @statements.query
 def blocked_in(project_id: int):
-    """A project's blocked jobs, with what they depend on."""
-    return Job.objects.filter(project_id=project_id, state=JobState.BLOCKED).only("depends_on")
+    """A project's blocked jobs, with what they depend on and whom they act for."""
+    blocked = Job.objects.filter(project_id=project_id, state=JobState.BLOCKED)
+    return blocked.only("depends_on", "submitted_by", "submitted_with", "project")
 
 
 @receiver(attempt_finished)

@@ -258,6 +258,8 @@ def advance(sweep_id: int) -> int:
 
 def stop(sweep: Sweep, why: str) -> None:
     """Submit none of its pending variants, saying why on each (its token was revoked, say)."""
+    # The same file sent again is a replay of this sweep (its key), which stays stopped.
+    why = f"{why}; to run the rest, send the sweep file again with a new idempotency_key"
     refused = {**sweep.refused, **{str(i): STOPPED + why for i in sweep.pending()}}
     Sweep.objects.filter(pk=sweep.pk).update(refused=refused, waiting_reason="")
     sweep.refused, sweep.waiting_reason = refused, ""

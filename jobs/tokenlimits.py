@@ -165,8 +165,8 @@ def check(token_id: int | None, gpus: int) -> None:
     if token_id is None:
         return
     standing = token_standing.first(pk=token_id)
-    if standing is None:
-        return
+    if standing is None:  # deleted: the job could not name it either
+        raise TokenEnded("the API token it is submitted with was deleted")
     revoked_at, user_active, *limits = standing
     if revoked_at is not None:
         raise TokenEnded(f"the API token it is submitted with was revoked at {revoked_at:%Y-%m-%d %H:%M:%S} UTC")
@@ -215,6 +215,16 @@ def acting_refusal_of(acting: Acting) -> str | None:
     if not acting.member:
         return f"{acting.username}, who submitted it, is no longer a member of {acting.project} who may submit jobs"
     return None
+
+
+def job_acting_refusal(job: Job, known: dict | None = None) -> str | None:
+    """`acting_refusal` for the user, token and project `job` records. `known`: the verdicts a
+    pass over many jobs found so far, by those three ids: one submitter's jobs are looked at once."""
+    who = (job.submitted_by_id, job.submitted_with_id, job.project_id)
+    known = {} if known is None else known
+    if who not in known:
+        known[who] = acting_refusal(job.submitted_by, job.submitted_with_id, job.project)
+    return known[who]
 
 
 def acting_refusal(user, token_id: int | None, project) -> str | None:

@@ -282,7 +282,7 @@ def left_out(job: Job) -> str:
     """Why a job's processes get no MLflow variables though its run is made ('' when they get
     them): a project whose network is `none` runs its jobs with loopback only, which does not
     reach the web tier. The agent says it once in the attempt's log."""
-    if getattr(job.project, "network", "host") == "none":
+    if job.project.network == "none":
         return (
             "MLflow: this project's network is `none`, so its jobs cannot reach Hangar's tracking proxy: "
             "no MLFLOW_* variables are set (metrics printed to the log are still read into the job's run "

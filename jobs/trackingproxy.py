@@ -52,11 +52,13 @@ class Grant:
 
 @dataclass(frozen=True)
 class Asked:
-    """What a request names: the runs (its run_id and run_uuid), the experiment and the tags it writes."""
+    """What a request names: the runs (its run_id and run_uuid, and a batch's metrics' own), the
+    experiment, the tags it writes and the logged models it attaches metrics or inputs to."""
 
     run_ids: frozenset[str] = frozenset()
     experiment_id: str = ""
     tag_keys: tuple[str, ...] = ()
+    model_ids: frozenset[str] = frozenset()
 
 
 class Refusal(Exception):
@@ -80,6 +82,15 @@ def decide(grant: Grant, endpoint: "Endpoint", asked: Asked, now: datetime, grac
             "PERMISSION_DENIED",
             f"job {grant.job_id}'s credential reaches only its own experiment {grant.experiment_id}, "
             f"not experiment {asked.experiment_id or '(none given)'}",
+        )
+    if asked.model_ids:
+        # The store writes a metric's model_id onto that logged model, whoever's it is; a job
+        # cannot make one of its own here (no model endpoints), so any it names is another's.
+        raise Refusal(
+            403,
+            "PERMISSION_DENIED",
+            f"model {sorted(asked.model_ids)[0]} is not job {grant.job_id}'s: Hangar's tracking proxy serves "
+            "no logged models, so log metrics and inputs without one (no model_id, no set_active_model)",
         )
     if reserved := [key for key in asked.tag_keys if is_reserved(key)]:
         raise Refusal(
@@ -157,9 +168,7 @@ class Endpoint:
 
 
 def _log_metric(client, run_id: str, msg):
-    optional = {
-        name: getattr(msg, name) for name in ("dataset_name", "dataset_digest", "model_id") if msg.HasField(name)
-    }
+    optional = {name: getattr(msg, name) for name in ("dataset_name", "dataset_digest") if msg.HasField(name)}
     client.log_metric(run_id, msg.key, msg.value, timestamp=msg.timestamp, step=msg.step, **optional)
     return msg.Response()
 
@@ -253,15 +262,20 @@ def parse(request: HttpRequest, endpoint: Endpoint):
 
 
 def asked_by(message, endpoint: Endpoint) -> Asked:
+    """Every id and tag the message names, nested ones included (a batch's metrics carry a run
+    and a model each): the store is given the grant's run, but a model id it would follow."""
     if endpoint.target == "experiment":
         return Asked(experiment_id=message.experiment_id)
-    run_ids = frozenset(value for name in ("run_id", "run_uuid") if (value := getattr(message, name, "")))
+    batch = list(message.metrics) if endpoint.proto == "LogBatch" else []
+    run_ids = {getattr(message, "run_id", ""), getattr(message, "run_uuid", ""), *(m.run_id for m in batch)}
+    inputs = getattr(message, "models", ())  # LogInputs: models its run takes as inputs
+    model_ids = {getattr(message, "model_id", ""), *(m.model_id for m in batch), *(m.model_id for m in inputs)}
     keys: tuple[str, ...] = ()
     if endpoint.proto in ("SetTag", "DeleteTag"):
         keys = (message.key,)
     elif endpoint.proto == "LogBatch":
         keys = tuple(tag.key for tag in message.tags)
-    return Asked(run_ids=run_ids, tag_keys=keys)
+    return Asked(run_ids=frozenset(run_ids - {""}), tag_keys=keys, model_ids=frozenset(model_ids - {""}))
 
 
 def ended_grace() -> timedelta:

@@ -81,7 +81,7 @@ def signed_in(scope: dict) -> bool:
     if user is None or not user.is_authenticated:
         return False
     if token_id := scope.get("token_id"):
-        return ApiToken.objects.active().filter(pk=token_id, user_id=user.pk, user__is_active=True).exists()
+        return token_acts.first(pk=token_id, user_id=user.pk) is not None
     session = scope.get("session")
     key = getattr(session, "session_key", None)
     if not key:
@@ -110,8 +110,7 @@ def still_signed_in(user_id: int, token_id: int | None, session_key: str | None)
 @statements.query
 def token_acts(pk: int, user_id: int):
     """The token, while it is active and its user too (a log socket asks before each batch it sends)."""
-    acting = ApiToken.objects.filter(pk=pk, user_id=user_id, revoked_at__isnull=True, user__is_active=True)
-    return acting.values_list("pk")[:1]
+    return ApiToken.objects.active().filter(pk=pk, user_id=user_id, user__is_active=True).values_list("pk")[:1]
 
 
 @statements.query
@@ -232,8 +231,6 @@ def watch(consumer, still_visible=None, before_close=None) -> asyncio.Task:
     function run first (a stream stops sending before the close goes out)."""
     watching = Watch(consumer.scope)
     layer = get_channel_layer()
-    if layer is None:
-        local_sockets.add(watching)  # now: news sent after this line reaches it
 
     def code() -> int | None:
         if not signed_in(consumer.scope):
@@ -264,10 +261,13 @@ def watch(consumer, still_visible=None, before_close=None) -> asyncio.Task:
         finally:
             if listener is not None:
                 listener.cancel()
-            else:
-                local_sockets.remove(watching)
 
-    return asyncio.create_task(run())
+    task = asyncio.create_task(run())
+    if layer is None:
+        local_sockets.add(watching)  # now: news sent after this line reaches it
+        # A done callback, not run()'s `finally`: a task cancelled before its first step never runs that.
+        task.add_done_callback(lambda _: local_sockets.remove(watching))
+    return task
 
 
 # --- telling them -----------------------------------------------------------------------

@@ -3,6 +3,7 @@ at once: a sweep submits no more variants and a pipeline starts no more stages, 
 (jobs/tokenlimits.py: acting_refusal); its open log websockets close with 4401 and its long
 polls end, within a second, with no line printed after the revocation (portal/wsauth.py)."""
 
+import asyncio
 import json
 import sys
 import textwrap
@@ -16,14 +17,17 @@ from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from jobs import dependencies
 from jobs.models import AttemptState, Job, JobState, PipelineRun
 from jobs.submission import submit_job
 from jobs.tokenlimits import Acting, TokenEnded, acting_refusal_of
+from portal import wsauth
 from portal.models import ApiToken, Membership
 from tests.factories import api_client, make_attempt, make_job, services_database
 from tests.livestack import LiveStack
@@ -104,16 +108,34 @@ def test_a_sweep_submits_nothing_for_an_ended_token_or_member_and_says_why(
     assert doc["state"] == "done" and doc["waiting_reason"] == ""
 
 
-def test_a_submit_for_a_token_revoked_since_its_work_began_is_refused(owner, project, node):
+@pytest.mark.parametrize("how", ["revoked", "deleted"])
+def test_a_submit_for_a_token_ended_since_its_work_began_is_refused(how, owner, project, node):
     """The last word is the submit's own read of the token (a sweep between its look and its
     submit; another web process that still remembers the token)."""
     token, _ = ApiToken.issue(owner, "agent")
-    ApiToken.objects.get(pk=token.pk).revoke(owner)
+    if how == "revoked":
+        ApiToken.objects.get(pk=token.pk).revoke(owner)
+    else:
+        ApiToken.objects.filter(pk=token.pk).delete()
     owner.api_token_id = token.pk
     with pytest.raises(TokenEnded) as refused:
         submit_job(owner, {"project": "vision", "command": ["true"], "gpus_per_node": 1, "nodes": 1, "max_retries": 0})
-    assert "was revoked at" in str(refused.value.detail["token"])
+    assert f"was {how}" in str(refused.value.detail["token"])
     assert not Job.objects.exists()
+
+
+def test_a_jobs_many_dependents_look_at_their_submitter_and_token_once(owner, project, node):
+    """A job that ends releases its dependents; those of one submitter and token share one look."""
+    token, _ = ApiToken.issue(owner, "agent")
+    train = make_job(project, owner, name="train", state=JobState.SUCCEEDED)
+    needs = [{"job": train.pk, "on": "succeeded"}]
+    for index in range(10):
+        make_job(project, owner, name=f"eval-{index}", state=JobState.BLOCKED, depends_on=needs, submitted_with=token)
+    with CaptureQueriesContext(connection) as queries:
+        dependencies.settle_dependents(train.pk, project.pk)
+    assert Job.objects.filter(state=JobState.QUEUED).count() == 10  # the setup: each is released
+    looks = [q["sql"] for q in queries.captured_queries if 'FROM "portal_apitoken"' in q["sql"]]
+    assert len(looks) == 1, looks
 
 
 # --- pipelines ------------------------------------------------------------------------------
@@ -210,6 +232,27 @@ def test_an_ended_credential_closes_its_open_sockets_at_once(how, path, code, ow
 
     closed, took = async_to_sync(scenario)()
     assert closed == code, (closed, took)
+
+
+def test_a_socket_gone_before_its_watch_began_leaves_nothing_in_the_process_list(owner):
+    """A watch cancelled before its first step never runs its own cleanup; the list must not
+    keep it (nor its event loop) for the life of the process."""
+
+    class Consumer:
+        scope = {"user": owner, "token_id": 987654}
+
+    async def scenario() -> set:
+        early, late = wsauth.watch(Consumer()), wsauth.watch(Consumer())
+        listed = set(wsauth.local_sockets.by_group.get(wsauth.TOKEN_GROUP.format(987654), ()))
+        assert len(listed) == 2  # the setup: both are listed
+        early.cancel()  # before its first step
+        await asyncio.sleep(0)
+        late.cancel()  # while it waits
+        await asyncio.gather(early, late, return_exceptions=True)
+        return listed
+
+    listed = async_to_sync(scenario)()
+    assert not any(listed & members for members in wsauth.local_sockets.by_group.values())
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,6 +1,6 @@
 """Hangar's MLflow tracking proxy: a job's credential reaches its own run and experiment only,
 and stops working when its attempt ends. The requests here are what MLflow's client sends (its
-own messages, made by its own serializer); tests/test_e2e_tracking_proxy.py runs the real client
+own messages, made by its own serializer); tests/test_e2e_tracking.py runs the real client
 in real job processes."""
 
 import json
@@ -86,6 +86,9 @@ def test_it_serves_a_live_attempts_own_run_and_experiment():
         ("experiments/get", Asked(experiment_id="2")),
         ("runs/set-tag", Asked(run_ids=frozenset({"r-own"}), tag_keys=("hangar.cost",))),
         ("runs/log-batch", Asked(run_ids=frozenset({"r-own"}), tag_keys=("ok", "mlflow.parentRunId"))),
+        # its own run, but another's logged model (a metric's model_id, a model taken as input)
+        ("runs/log-metric", Asked(run_ids=frozenset({"r-own"}), model_ids=frozenset({"m-other"}))),
+        ("runs/log-inputs", Asked(run_ids=frozenset({"r-own"}), model_ids=frozenset({"m-other"}))),
     ],
 )
 def test_it_refuses_what_is_not_the_grants_own(name, asked):
@@ -193,6 +196,44 @@ def test_a_jobs_credential_cannot_touch_another_jobs_run_which_stays_as_it_was(t
     assert after.data.metrics == before.data.metrics and after.data.params == before.data.params
     assert after.data.tags == before.data.tags and after.info.status == before.info.status == "RUNNING"
     assert [m.value for m in store.get_metric_history(victim, "loss")] == [0.25]
+
+
+def test_a_jobs_credential_cannot_reach_another_run_or_model_through_a_nested_id(two_jobs):
+    """A batch's metrics carry a run id and a model id each, LogMetric a model id, LogInputs
+    models: the store writes a metric onto the logged model it names, whoever's it is."""
+    (_, mine), (other, theirs) = two_jobs
+    pb, own, victim = protos(), mine["MLFLOW_RUN_ID"], theirs["MLFLOW_RUN_ID"]
+    store = tracking.client()
+    model = store.create_logged_model(theirs["MLFLOW_EXPERIMENT_ID"], name="theirs", source_run_id=victim)
+    assert store.get_logged_model(model.model_id).metrics in (None, [])  # the setup: a model with no metric yet
+    onto_model = pb.Metric(key="acc", value=0.0, timestamp=1, model_id=model.model_id)
+    onto_run = pb.Metric(key="acc", value=0.0, timestamp=1, run_id=victim)
+    attacks = [
+        ("runs/log-metric", pb.LogMetric(run_id=own, key="acc", value=0.0, timestamp=1, model_id=model.model_id)),
+        ("runs/log-batch", pb.LogBatch(run_id=own, metrics=[onto_model])),
+        ("runs/log-batch", pb.LogBatch(run_id=own, metrics=[onto_run])),
+        ("runs/log-inputs", pb.LogInputs(run_id=own, models=[pb.ModelInput(model_id=model.model_id)])),
+    ]
+    for name, message in attacks:
+        status, body = call(mine, name, message)
+        assert (status, body["error_code"]) == (403, "PERMISSION_DENIED"), (name, body)
+        assert model.model_id in body["message"] or victim in body["message"]
+    assert store.get_logged_model(model.model_id).metrics in (None, [])
+    assert "acc" not in store.get_run(own).data.metrics and "acc" not in store.get_run(victim).data.metrics
+    assert not (store.get_run(own).inputs.model_inputs or [])
+    # The same calls without the other's ids are served.
+    plain = pb.LogBatch(run_id=own, metrics=[pb.Metric(key="acc", value=0.5, timestamp=1, run_id=own)])
+    assert call(mine, "runs/log-batch", plain) == (200, {})
+    assert store.get_run(own).data.metrics["acc"] == 0.5
+
+
+def test_a_call_reads_hangars_database_once(two_jobs, django_assert_num_queries):
+    """The attempt, its credential's digests and its job's run in one primary-key read; the rest
+    is the store's own call (on its own connection)."""
+    (_, env), _ = two_jobs
+    message = protos().LogMetric(run_id=env["MLFLOW_RUN_ID"], key="loss", value=1, timestamp=1)
+    with django_assert_num_queries(1):
+        assert call(env, "runs/log-metric", message) == (200, {})
 
 
 def test_hangars_own_tags_on_the_jobs_run_are_hangars_to_write(two_jobs):
