@@ -23,7 +23,7 @@ ON = ("succeeded", "finished")
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str  # met, waiting, never
+    kind: str  # met, waiting, never; stopped: what it acts for ended (jobs/tokenlimits.py)
     reason: str = ""
 
 
@@ -56,14 +56,16 @@ def settle(job: Job, acting: dict | None = None) -> None:
     blocked = Job.objects.filter(pk=job.pk, state=JobState.BLOCKED)
     if found.kind == "met" and (refused := tokenlimits.job_acting_refusal(job, acting)):
         # Its submitter's token was revoked, or they left the project, while it waited: it starts nothing.
-        found = Verdict("never", refused)
+        found = Verdict("stopped", refused)
     if found.kind == "met":
         if blocked.update(state=JobState.QUEUED, queued_at=now, order_at=now, state_reason=""):
             JobEvent.objects.create(job=job, kind="unblocked", message="every job it depends on is done")
             wakeup.request_pass()
-    elif found.kind == "never":
+    elif found.kind in ("never", "stopped"):
         ended = {"state": JobState.CANCELLED, "failure_class": FailureClass.CANCELLED, "finished_at": now}
-        if blocked.update(**ended, state_reason=f"cancelled: {found.reason}"):
+        if blocked.update(
+            **ended, state_reason=f"{'stopped' if found.kind == 'stopped' else 'cancelled'}: {found.reason}"
+        ):
             JobEvent.objects.create(job=job, kind="cancel", message=found.reason)
             job_ended.send(sender=Job, job=job)  # its own dependents are settled, its watchers told
     else:

@@ -37,7 +37,7 @@ from django.dispatch import receiver
 from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.status import HTTP_409_CONFLICT
 
-from jobs import jobspec, reproduce, tokenlimits
+from jobs import jobspec, reproduce
 from jobs.models import Job, JobState, PipelineRun, PipelineStage, pipeline_state
 from jobs.models.pipeline import CopyState
 from jobs.signals import attempt_finished, job_ended
@@ -429,26 +429,7 @@ def run_over(job_id: int) -> None:
             tracking.close_parent_run(run, state)
 
 
-STOPPED = "stopped: "  # the reason of a stage cancelled because what it acts for ended
-
-
-def stop_stages_acting_for_ended(job_id: int) -> int:
-    """A stage's job ended: cancel the waiting stages of its runs whose token was revoked, or whose
-    submitter was deactivated or left the project, saying why; the number cancelled. Called in
-    the transaction that ended the stage, so it comes before that end releases them (after
-    commit, jobs/dependencies.py). Each stage's job records the user and token it acts for."""
-    waiting = Job.objects.filter(
-        state=JobState.BLOCKED, pipeline_stages__reused=False, pipeline_stages__run__stages__job_id=job_id
-    ).select_related("submitted_by", "project")
-    verdicts: dict[tuple, str | None] = {}
-    stopped = 0
-    for job in waiting.distinct():
-        who = (job.submitted_by_id, job.submitted_with_id, job.project_id)
-        if who not in verdicts:
-            verdicts[who] = tokenlimits.acting_refusal(job.submitted_by, job.submitted_with_id, job.project)
-        if verdicts[who] is not None and job.cancel(None, STOPPED + verdicts[who]):
-            stopped += 1
-    return stopped
+STOPPED = "stopped: "  # a stage's reason when jobs/dependencies.py settle stopped it: what it acted for ended
 
 
 def stopped_reason(job_reasons: list[str]) -> str:
@@ -459,8 +440,6 @@ def stopped_reason(job_reasons: list[str]) -> str:
 @receiver(attempt_finished)
 def _after_an_attempt(sender, attempt, job, **kwargs) -> None:
     if job.staged:
-        if job.state == JobState.SUCCEEDED:  # only a success releases a stage (needs are on success)
-            stop_stages_acting_for_ended(job.pk)
         transaction.on_commit(lambda: run_over(job.pk))
 
 
