@@ -88,12 +88,18 @@ def ending(attempt: Attempt) -> diagnosis.Ending:
         state=attempt.state,
         failure_class=attempt.failure_class,
         exit_code=attempt.exit_code,
-        reason=attempt.reason,
+        reason=utf8(attempt.reason),
         world_size=len(attempt.ranks),
         max_runtime_seconds=attempt.job.max_runtime_seconds,
         memory_limit_mb=settings.HANGAR_JOB_MEMORY_LIMIT_MB,
-        command=tuple(str(x) for x in attempt.job.command or ()),
+        command=tuple(utf8(str(x)) for x in attempt.job.command or ()),
     )
+
+
+def utf8(text: str) -> str:
+    """Text the recognisers (RE2, which reads UTF-8) can read: JSON lets a command carry a lone
+    surrogate, which has no UTF-8."""
+    return text.encode("utf-8", "replace").decode()
 
 
 def rank_exits(attempt: Attempt) -> dict[int, diagnosis.RankExit]:

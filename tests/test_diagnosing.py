@@ -1,6 +1,7 @@
 """A diagnosis is stored with every attempt that ends badly, and shown in the API; hangs are flagged."""
 
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -11,7 +12,7 @@ from agent import runner as execution
 from agent import running
 from fleet.models import GPU
 from jobs import diagnosing, diagnosis, scheduler
-from jobs.models import Attempt, AttemptState, FailureClass, JobEvent, JobState, LogLine, Stream
+from jobs.models import Attempt, AttemptState, FailureClass, Job, JobEvent, JobState, LogLine, Stream
 from tests.diagnosis_cases import cases
 from tests.factories import api_client, make_attempt, make_job, make_node, make_snapshot
 
@@ -102,6 +103,45 @@ def test_only_the_wanted_files_are_read_from_the_snapshot(db, project, owner, tm
     assert diagnosing.job_files(make_job(project, owner), ["config/a.py"]) == {}
 
 
+# A job that prints what made a backtracking engine take seconds a line (tests/test_diagnosis.py).
+CRAFTED_JOB = """\
+import sys
+LINE = 16 * 1024
+messages = ["NCCL WARN " * (LINE // 10), "a.so" * (LINE // 4),
+            "DataLoader worker (pid 1) is killed by signal: a" + " " * LINE + "x"]
+for message in messages * 3:
+    for text in ("Traceback (most recent call last):", '  File "train.py", line 3, in <module>', "    step()",
+                 "RuntimeError: " + message):
+        print(text, file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_a_jobs_crafted_output_cannot_hold_its_diagnosis(node, project, owner):
+    attempt = run(project, owner, CRAFTED_JOB)
+    stored = LogLine.objects.filter(attempt=attempt, text__startswith="RuntimeError: NCCL WARN NCCL")
+    assert stored.count() == 3 and all(len(t) > 16_000 for t in stored.values_list("text", flat=True))  # the setup
+
+    started = time.monotonic()
+    found = diagnosing.store(attempt.pk)
+
+    assert time.monotonic() - started < 2.0
+    assert found["category"] == "python_exception" and found["summary"].startswith("RuntimeError: NCCL WARN")
+
+
+def test_a_crafted_last_line_cannot_hold_the_hang_check(db, project, owner, settings):
+    settings.HANGAR_HANG_SECONDS = 600
+    attempt = two_rank_attempt(project, owner)
+    lines(attempt, 0, ago=1, first_step=200)
+    lines(attempt, 1, ago=1, text="step" + " " * 16 * 1024 + "x")  # the scheduler's reconciler reads it
+
+    started = time.monotonic()
+    flagged = diagnosing.check_hangs(force=True)
+
+    assert time.monotonic() - started < 1.0
+    assert flagged == [] and "straggler" not in Attempt.objects.get(pk=attempt.pk).diagnosis
+
+
 def test_each_ranks_exit_is_read_from_its_status():
     attempt = Attempt(rank_status={"0": {"exit": 1, "at": 12.5, "stopped": False}, "1": 0, "2": None,
                                    "3": {"exit": 143, "at": 12.9, "stopped": True}})  # fmt: skip
@@ -110,6 +150,24 @@ def test_each_ranks_exit_is_read_from_its_status():
 
     assert exits == {0: diagnosis.RankExit(1, 12.5, False), 1: diagnosis.RankExit(0),
                      3: diagnosis.RankExit(143, 12.9, True)}  # fmt: skip
+
+
+def test_a_command_with_a_lone_surrogate_still_gets_its_diagnosis(db, project, owner):
+    # JSON allows a lone surrogate in a command; UTF-8, which the recognisers read, has no such character.
+    job = make_job(project, owner, command=["python", "train.py", "config/\ud800.py"])
+    attempt = make_attempt(job, make_node("node-a"), AttemptState.FAILED, failure_class=FailureClass.USER,
+                           exit_code=1, reason="exited with code 1")  # fmt: skip
+    texts = ["Traceback (most recent call last):", '  File "<string>", line 1, in <module>', "KeyError: 'lr'"]
+    LogLine.objects.bulk_create(
+        LogLine(job_id=job.pk, attempt=attempt, node=attempt.node, rank=0, seq=i, rank_seq=i, stream=Stream.STDERR,
+                ts=timezone.now(), text=text, severity=40)
+        for i, text in enumerate(texts, 1)
+    )  # fmt: skip
+    assert Job.objects.get(pk=job.pk).command[2] == "config/\ud800.py"  # the setup: it reads back as stored
+
+    found = diagnosing.store(attempt.pk)
+
+    assert found is not None and found["category"] == "python_exception" and "KeyError: 'lr'" in found["summary"]
 
 
 def test_a_succeeded_attempt_has_none(node, project, owner):
@@ -134,7 +192,7 @@ def test_the_schema_declares_the_diagnosis(db, owner):
     assert "Diagnosis" in text and "first_failing_rank" in text and "hang_suspected" in text
 
 
-def lines(attempt, rank: int, ago: float, count: int = 1, first_step: int = 0) -> None:
+def lines(attempt, rank: int, ago: float, count: int = 1, first_step: int = 0, text: str = "") -> None:
     at = timezone.now() - timedelta(seconds=ago)
     start = LogLine.objects.filter(attempt=attempt).count()
     LogLine.objects.bulk_create(
@@ -147,7 +205,7 @@ def lines(attempt, rank: int, ago: float, count: int = 1, first_step: int = 0) -
             rank_seq=start + i + 1,
             stream=Stream.STDOUT,
             ts=at,
-            text=f"step {first_step + i}",
+            text=text or f"step {first_step + i}",
         )  # fmt: skip
         for i in range(count)
     )

@@ -3,6 +3,7 @@ made by capture.py from the scripts and sources beside it), and endings that say
 themselves. Pure: no database."""
 
 import subprocess
+import time
 
 import pytest
 
@@ -343,6 +344,60 @@ def test_an_nccl_watchdog_timeout_that_aborts_the_process_is_a_collective_timeou
 
     assert found.category == "collective_timeout" and found.first_failing_rank == 1
     assert "dist.barrier()" not in found.hint
+
+
+# --- a job's output cannot hold the process that reads it -------------------------------------------------
+
+LINE = 16 * 1024  # the agent's default line limit (HANGAR_LOG_LINE_MAX_BYTES)
+# Each held a backtracking engine for seconds, in the agent's thread or the scheduler's reconciler.
+CRAFTED_MESSAGES = [
+    "NCCL WARN " * (LINE // 10),
+    "a.so" * (LINE // 4),
+    "DataLoader worker (pid 1) is killed by signal: a" + " " * LINE + "x",
+]
+CRAFTED_QUIET = "2024-01-01" + " " * LINE + "x Warning: slow"  # a warning: no message, read through to the end
+CRAFTED_STEP = "step" + " " * LINE + "x"
+
+
+def crafted_traceback(seq: int, message: str) -> list[Line]:
+    texts = ["Traceback (most recent call last):", '  File "/tmp/hangar-job-x/train.py", line 3, in <module>',
+             "    step()", f"RuntimeError: {message}"]  # fmt: skip
+    return [Line(seq + i, text, stream="stderr") for i, text in enumerate(texts)]
+
+
+def test_crafted_exception_messages_are_read_in_linear_time():
+    lines = [x for i, message in enumerate(CRAFTED_MESSAGES * 3) for x in crafted_traceback(10 * i + 1, message)]
+
+    started = time.monotonic()
+    found = diagnose(lines, Ending(exit_code=1))
+
+    assert time.monotonic() - started < 1.0
+    assert found.category == "python_exception" and found.summary.startswith("RuntimeError: NCCL WARN")
+
+
+def test_crafted_lines_without_a_message_are_read_in_linear_time():
+    lines = [Line(i, CRAFTED_QUIET, stream="stderr") for i in range(1, 6)]
+
+    started = time.monotonic()
+    found = diagnose(lines, Ending(exit_code=1))
+    steps = [diagnosis.step_of(CRAFTED_STEP) for _ in range(3)]
+
+    assert time.monotonic() - started < 1.0
+    assert found.category == "unknown" and steps == [None] * 3
+
+
+def test_a_traceback_of_many_string_frames_reads_each_file_once():
+    # As many files as jobs/diagnosing.py reads, each as large as it reads them; frames a job can print at will.
+    files = {f"config/c{i}.py": "x = 1\n" * (256 * 1024 // 6) for i in range(8)}
+    texts = ["Traceback (most recent call last):", *['  File "<string>", line 5, in <module>'] * 390,
+             "NameError: name 'y' is not defined"]  # fmt: skip
+    lines = [Line(i, text, stream="stderr") for i, text in enumerate(texts, 1)]
+
+    started = time.monotonic()
+    found = diagnose(lines, Ending(exit_code=1, command=("python", "train.py", *files)), files=files)
+
+    assert time.monotonic() - started < 3.0
+    assert found.category == "python_exception" and "NameError" in found.summary
 
 
 # --- hangs and stragglers ----------------------------------------------------------------------------------

@@ -15,13 +15,12 @@ lines is `signals.py`; hangs and stragglers while an attempt runs are `hangs.py`
 `jobs/diagnosing.py` loads the inputs when an attempt ends badly and stores the result.
 """
 
-import re
 import signal
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from jobs.diagnosis.hangs import Hang, hang_suspected, step_of, straggling
-from jobs.diagnosis.output import Line, short_path, strip, wanted_files
+from jobs.diagnosis.output import Line, linear, short_path, sources_of, strip, wanted_files
 from jobs.diagnosis.signals import (
     ABORT,
     COLLECTIVE_TIMEOUT,
@@ -32,7 +31,6 @@ from jobs.diagnosis.signals import (
     FOLLOW_ON,
     GPU_FAULT,
     HOST_OOM,
-    HOST_OOM_HINT,
     IMPORT_ERROR,
     INTERRUPTED,
     NAN_LOSS,
@@ -47,13 +45,12 @@ from jobs.diagnosis.signals import (
     Signal,
     abort_signal,
     gpu_hint,
-    interrupted_signal,
+    killed_signal,
     last_message,
     launch_signal,
     not_found_hint,
     rank_signals,
     scanned_skip,
-    segfault_signal,
     signal_name,
 )
 
@@ -133,7 +130,8 @@ def diagnose(
         return launch
     exits = merged(exits_from_lines(ordered), exits or {})
     by_rank = own_lines(ordered)
-    found = [s for rank_lines in by_rank.values() for s in rank_signals(rank_lines, ending, dict(files or {}))]
+    sources = sources_of(dict(files or {}))
+    found = [s for rank_lines in by_rank.values() for s in rank_signals(rank_lines, ending, sources)]
     order = failure_order(exits)
     chosen = choose(found, order, exits, by_rank, ending)
     if chosen is None:
@@ -166,9 +164,9 @@ def described(chosen: Signal, found: list[Signal], order: list[int], exits: Mapp
 
 # --- ranks' exits ---------------------------------------------------------------------------------
 
-_EXITED = re.compile(r"^\[hangar\] (?:exited with code (?P<code>-?\d+)|killed by SIG\w+ \(exit code (?P<signal>\d+)\))")
+_EXITED = linear(r"^\[hangar\] (?:exited with code (?P<code>-?\d+)|killed by SIG\w+ \(exit code (?P<signal>\d+)\))")
 _STOPPING = "[hangar] stopping:"
-_COULD_NOT_START = re.compile(r"^\[hangar\] could not start (?P<what>.+?): (?P<error>.+)$")
+_COULD_NOT_START = linear(r"^\[hangar\] could not start (?P<what>.+?): (?P<error>.+)$")
 
 
 def exits_from_lines(lines: list[Line]) -> dict[int, RankExit]:
@@ -253,16 +251,7 @@ def silent_death(rank: int, exit: RankExit, found: list[Signal], lines: list[Lin
     at = exit.line or (own[-1] if own else Line(0, "", rank))
     how = f"rank {rank} {describe_exit(exit.code)} first, with no error in its output"
     evidence = tuple(x for x in (exit.line, own[-1] if own else None) if x is not None)
-    number = exit.code - 128
-    if number == signal.SIGKILL:
-        limit = f" (its memory limit is {ending.memory_limit_mb} MiB)" if ending.memory_limit_mb else ""
-        return Signal(HOST_OOM, at, f"{how}: most likely the kernel's OOM killer{limit}", HOST_OOM_HINT, evidence,
-                      "medium")  # fmt: skip
-    if number == signal.SIGSEGV:
-        return Signal(SEGFAULT, at, f"{how}: segmentation fault", segfault_signal(None).hint, evidence)
-    if number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        return interrupted_signal(at, how, evidence, number, "medium")
-    return None
+    return killed_signal(exit.code - 128, how, at, evidence, ending)
 
 
 def vanished(chosen: Signal, found: list[Signal], order: list[int]) -> int | None:
@@ -277,6 +266,8 @@ def ref(line: Line) -> dict:
 
 
 # --- endings that say why by themselves ------------------------------------------------------------
+
+_NODE_LOST = linear(r"went offline|lease expired|agent restarted|not started")
 
 
 def by_ending(ending: Ending, events: list[Event]) -> Diagnosis | None:
@@ -307,7 +298,7 @@ def by_ending(ending: Ending, events: list[Event]) -> Diagnosis | None:
                              None, evidence)  # fmt: skip
         return Diagnosis(GPU_FAULT, f"{e.kind} on {e.node or 'its node'}: {e.message}", gpu_hint(), "high", None,
                          evidence)  # fmt: skip
-    if ending.state == "lost" or re.search(r"went offline|lease expired|agent restarted|not started", ending.reason):
+    if ending.state == "lost" or _NODE_LOST.search(ending.reason):
         hint = "The node or its agent was lost (infra): the job is requeued; nothing to change in the job"
         return Diagnosis(NODE_LOST, f"node lost: {ending.reason}", hint)
     return None
@@ -318,7 +309,7 @@ def trusted(event: Event) -> bool:
     return event.source != "output" or "cordoned" in event.action
 
 
-_NAMED_PACKAGE = re.compile(r"^environment build failed: package '([^']+)'")
+_NAMED_PACKAGE = linear(r"^environment build failed: package '([^']+)'")
 
 
 def environment_diagnosis(lines: list[Line], ending: Ending) -> Diagnosis:
@@ -408,24 +399,21 @@ def by_exit_status(by_rank: dict[int, list[Line]], ending: Ending, exits: Mappin
 def exit_signal_diagnosis(
     code: int | None, lines: list[Line], ending: Ending, evidence: list[dict]
 ) -> Diagnosis | None:
-    """A process killed by a signal, and nothing in its output to say more."""
-    if code == 128 + signal.SIGSEGV:
-        s = segfault_signal(None)
-        return Diagnosis(SEGFAULT, "segmentation fault (killed by SIGSEGV, exit code 139)", s.hint, "high", None,
-                         evidence)  # fmt: skip
-    if code == 128 + signal.SIGABRT:
-        s = abort_signal(None, lines, ending)
-        return Diagnosis(ABORT, s.summary, s.hint, s.confidence, None, evidence)
-    if code == 128 + signal.SIGKILL and ending.failure_class == "user":
-        limit = f" (its memory limit is {ending.memory_limit_mb} MiB)" if ending.memory_limit_mb else ""
-        summary = f"killed by SIGKILL (exit code 137) that the agent did not send: most likely the OOM killer{limit}"
-        return Diagnosis(HOST_OOM, summary, HOST_OOM_HINT, "medium", None, evidence)
-    if code in (128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP) and ending.failure_class == "user":
-        name = signal_name(code - 128)
-        s = interrupted_signal(Line(0, ""), "", (), code - 128)
-        summary = f"killed by {name} (exit code {code}) that Hangar did not send"
-        return Diagnosis(INTERRUPTED, summary, s.hint, "medium", None, evidence)
-    return None
+    """A process killed by a signal, and nothing in its output to say more. A stop Hangar sent
+    (SIGTERM, then SIGKILL) ends the attempt as other than the user's and is said by its ending."""
+    number = code - 128 if code is not None and code > 128 else None
+    if number == signal.SIGABRT:
+        found = abort_signal(None, lines, ending)
+    elif number == signal.SIGSEGV:
+        found = killed_signal(number, f"killed by SIGSEGV (exit code {code})", Line(0, ""), (), ending)
+    elif number is not None and ending.failure_class == "user":
+        how = f"killed by {signal_name(number)} (exit code {code}) that Hangar did not send"
+        found = killed_signal(number, how, Line(0, ""), (), ending)
+    else:
+        return None
+    if found is None:
+        return None
+    return Diagnosis(found.category, found.summary, found.hint, found.confidence, None, evidence)
 
 
 def last_error_lines(lines: list[Line], count: int = 5) -> list[Line]:

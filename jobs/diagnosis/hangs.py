@@ -1,8 +1,9 @@
 """Hangs and stragglers while an attempt runs: the pure half of the reconciler's checks
 (jobs/diagnosing.py loads each rank's last line and applies them)."""
 
-import re
 from dataclasses import dataclass
+
+from jobs.diagnosis.output import linear
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def hang_suspected(
 
 # --- stragglers ---------------------------------------------------------------------------------
 
-_STEP = re.compile(r"\b(?:step|iter(?:ation)?|global_step)\s*[:=#]?\s*(\d+)", re.I)
+_STEP = linear(r"\b(?:step|iter(?:ation)?|global_step)\s*[:=#]?\s*(\d+)", ignore_case=True)
 STRAGGLER_FRACTION = 0.2  # a rank this far behind the leader's step count
 STRAGGLER_MIN_STEPS = 5  # and at least this many steps behind (early noise is no straggler)
 

@@ -6,18 +6,29 @@ An echoed source line is the program's text, not what happened: `loss = float("n
 frame says nothing about the loss. Keyword recognisers never read echoes (`Scan.echoes`).
 """
 
-import re
 from dataclasses import dataclass, field
 
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
-_FRAME = re.compile(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?\s*$')
-_EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
-_WARNING = re.compile(r"^\S.*:\d+: [A-Z]\w*Warning: ")
-_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+import re2
+
+
+def linear(pattern: str, ignore_case: bool = False) -> re2._Regexp:
+    """A recogniser's pattern, run by RE2: what it reads is the job's own output, and `re`
+    backtracks (a line a job crafts holds the process, and every other thread of the agent, for
+    as long as the job likes). RE2 is linear in the line, whatever the pattern."""
+    options = re2.Options()
+    options.case_sensitive = not ignore_case
+    return re2.compile(pattern, options)
+
+
+_RANK_PREFIX = linear(r"^\[rank\d+\]:\s?")
+_FRAME = linear(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?\s*$')
+_EXC = linear(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
+_WARNING = linear(r"^\S.*:\d+: [A-Z]\w*Warning: ")
+_CARETS = linear(r"^\s*[\^~]+\s*$")
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 _NOISE = ("Exception ignored in", "Error in atexit._run_exitfuncs")  # tracebacks printed at shutdown
 LIBRARY = ("site-packages", "dist-packages", "/lib/python3", "<frozen", "/usr/lib/python")
-_WORKDIR = re.compile(r"/(?:hangar-job-[^/]+|jobs/\d+(?:/code-\d+-\d+)?)/(?P<rest>.+)$")
+_WORKDIR = linear(r"/(?:hangar-job-[^/]+|jobs/\d+(?:/code-\d+-\d+)?)/(?P<rest>.+)$")
 SYNTAX_ERRORS = ("SyntaxError", "IndentationError", "TabError")
 
 
@@ -33,7 +44,7 @@ class Line:
 
 def strip(text: str) -> str:
     """A line without the `[rankN]: ` prefix torch.distributed puts on each rank's lines."""
-    return _RANK_PREFIX.sub("", text)
+    return _RANK_PREFIX.sub("", text, count=1) if text.startswith("[rank") else text
 
 
 def indent(text: str) -> int:
@@ -171,17 +182,25 @@ def chains(tracebacks: list[Traceback]) -> list[list[Traceback]]:
 
 # --- code run by exec: `File "<string>"` ------------------------------------------------------
 
-_EXEC_OF = re.compile(
-    r"""exec\(\s*(?:compile\(\s*)?(?:open\(\s*(?P<q1>['"])(?P<a>[^'"]+)(?P=q1)"""
-    r"""|(?:pathlib\.)?Path\(\s*(?P<q2>['"])(?P<b>[^'"]+)(?P=q2)\s*\)\.read_text)"""
+_EXEC_OF = linear(
+    r"""exec\(\s*(?:compile\(\s*)?(?:open\(\s*['"](?P<a>[^'"]+)['"]"""
+    r"""|(?:pathlib\.)?Path\(\s*['"](?P<b>[^'"]+)['"]\s*\)\.read_text)"""
 )
-_NAME = re.compile(r"name '(?P<name>[^']+)' is not defined|'(?P<key>[^']+)'")
+_NAME = linear(r"name '(?P<name>[^']{1,200})' is not defined|'(?P<key>[^']{1,200})'")  # a name, not a paragraph
 
 
-def resolve(tb: Traceback, files: dict[str, str], command: tuple[str, ...] = ()) -> None:
+Sources = dict[str, list[str]]  # the job's files a `<string>` frame may have run: relative path -> its lines
+
+
+def sources_of(files: dict[str, str]) -> Sources:
+    """Each file cut into lines once: a traceback may hold as many `<string>` frames as it likes."""
+    return {path: text.splitlines() for path, text in files.items()}
+
+
+def resolve(tb: Traceback, files: Sources, command: tuple[str, ...] = ()) -> None:
     """Name the job's file behind each `<string>` frame (code run by `exec`, as nanoGPT's
     configurator.py runs the config file named on its command line), with its source line.
-    `files`: candidate files (relative path -> text), from the command's arguments and the job's code."""
+    `files`: candidate files, from the command's arguments and the job's code."""
     if not files:
         return
     for i, frame in enumerate(tb.frames):
@@ -197,27 +216,27 @@ def resolve(tb: Traceback, files: dict[str, str], command: tuple[str, ...] = ())
                 tb.syntax_text = text
 
 
-def exec_literal(caller: Frame | None, files: dict[str, str]) -> str | None:
+def exec_literal(caller: Frame | None, files: Sources) -> str | None:
     """The file the calling line names literally: `exec(open("configurator.py").read())`."""
     if caller is None:
         return None
-    text = caller.source or source_line(files.get(caller.resolved, ""), caller.lineno)
+    text = caller.source or source_line(files.get(caller.resolved, []), caller.lineno)
     match = _EXEC_OF.search(text)
     return find_file(match["a"] or match["b"], files) if match else None
 
 
-def by_content(frame: Frame, tb: Traceback, files: dict[str, str], command: tuple[str, ...], last: bool) -> str | None:
+def by_content(frame: Frame, tb: Traceback, files: Sources, command: tuple[str, ...], last: bool) -> str | None:
     """The candidate whose line holds what Python showed of the error: the SyntaxError's text, or
     the name of a NameError (or the key of a KeyError); for the innermost frame with no such token,
     the one file named on the command line that is long enough."""
-    fits = {path: source_line(text, frame.lineno) for path, text in files.items() if lines_in(text) >= frame.lineno}
-    fits = {path: text for path, text in fits.items() if text}
+    fits = {path: text for path, rows in files.items() if (text := source_line(rows, frame.lineno))}
     if not frame.func and frame.source:
         token = frame.source.strip()
         matched = [p for p, text in fits.items() if text.strip() == token]
     elif last and (name := _NAME.search(tb.message)):
         token = name["name"] or name["key"]
-        matched = [p for p, text in fits.items() if re.search(rf"(?<![\w]){re.escape(token)}(?![\w])", text)]
+        word = linear(rf"(?:^|\W){re2.escape(token)}(?:\W|$)")
+        matched = [p for p, text in fits.items() if word.search(text)]
     else:
         named = [p for p in fits if p in command_files(command)]
         matched = named if last and len(named) == 1 else []
@@ -226,7 +245,7 @@ def by_content(frame: Frame, tb: Traceback, files: dict[str, str], command: tupl
     return matched[0] if len(matched) == 1 else None
 
 
-def find_file(name: str, files: dict[str, str]) -> str | None:
+def find_file(name: str, files: Sources) -> str | None:
     name = name.removeprefix("./")
     for path in files:
         if path == name or path.endswith("/" + name) or name.endswith("/" + path):
@@ -234,16 +253,11 @@ def find_file(name: str, files: dict[str, str]) -> str | None:
     return None
 
 
-def source_line(text: str, lineno: int) -> str:
-    rows = text.splitlines()
+def source_line(rows: list[str], lineno: int) -> str:
     return rows[lineno - 1].strip() if 0 < lineno <= len(rows) else ""
 
 
-def lines_in(text: str) -> int:
-    return len(text.splitlines())
-
-
-_FILE_ARG = re.compile(r"^[\w./-]+\.(?:py|json|ya?ml|toml|cfg|ini|txt)$")
+_FILE_ARG = linear(r"^[\w./-]+\.(?:py|json|ya?ml|toml|cfg|ini|txt)$")
 
 
 def command_files(command: tuple[str, ...]) -> list[str]:

@@ -6,11 +6,10 @@ lines outside tracebacks that are not echoed source (see output.py). Of a rank's
 printed NaN counts only when nothing else on that rank ended the run.
 """
 
-import re
 import signal as signals
 from dataclasses import dataclass, replace
 
-from jobs.diagnosis.output import SYNTAX_ERRORS, Line, Traceback, chains, resolve, scan, strip
+from jobs.diagnosis.output import SYNTAX_ERRORS, Line, Sources, Traceback, chains, linear, resolve, scan, strip
 
 CUDA_OOM = "cuda_oom"
 HOST_OOM = "host_oom"
@@ -64,65 +63,68 @@ class Signal:
 
 # --- recognisers over messages ------------------------------------------------------------
 
-_CUDA_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError", re.I)
-_OOM_TRIED = re.compile(r"Tried to allocate (?P<tried>[\d.]+ [KMGT]i?B)", re.I)
-_OOM_FREE = re.compile(r"(?:of which|with) (?P<free>[\d.]+ [KMGT]i?B) (?:is )?free", re.I)
-_OOM_TOTAL = re.compile(r"total capacity of (?P<total>[\d.]+ [KMGT]i?B)", re.I)
-_HOST_OOM = re.compile(
+_CUDA_OOM = linear(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError", ignore_case=True)
+_OOM_TRIED = linear(r"Tried to allocate (?P<tried>[\d.]+ [KMGT]i?B)", ignore_case=True)
+_OOM_FREE = linear(r"(?:of which|with) (?P<free>[\d.]+ [KMGT]i?B) (?:is )?free", ignore_case=True)
+_OOM_TOTAL = linear(r"total capacity of (?P<total>[\d.]+ [KMGT]i?B)", ignore_case=True)
+_HOST_OOM = linear(
     r"DefaultCPUAllocator: can't allocate memory|Cannot allocate memory|std::bad_alloc|^MemoryError\b"
     r"|Out of memory: Kill|Unable to allocate [\d.]+ [KMGTP]i?B for an array",
 )
-_HOST_TRIED = re.compile(r"you tried to allocate (?P<bytes>\d+) bytes|Unable to allocate (?P<size>[\d.]+ [KMGTP]i?B)")
-_WORKER_KILLED = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: (?P<sig>[\w ]+?)\.?\s*$")
-_NAN = re.compile(
+_HOST_TRIED = linear(r"you tried to allocate (?P<bytes>\d+) bytes|Unable to allocate (?P<size>[\d.]+ [KMGTP]i?B)")
+_WORKER_KILLED = linear(r"DataLoader worker \(pid[^)]*\) is killed by signal: (?P<sig>[\w ]+?)\.?\s*$")
+_NAN = linear(
     r"(?:\bloss\b[^\n]{0,40}?[=:\s]\s*(?:-?nan|-?inf)\b)|returned nan values|\bloss is (?:nan|inf)\b|NaN or Inf found",
-    re.I,
+    ignore_case=True,
 )
-_COLLECTIVE_TIMEOUT = re.compile(
+_COLLECTIVE_TIMEOUT = linear(
     r"Watchdog caught collective operation timeout|Timed out waiting \d+ms|timed out after \d+|"
     r"DistStoreError: .*(?:timeout|Timed out)|Socket Timeout|NCCL.*timeout|collective operation timeout",
-    re.I,
+    ignore_case=True,
 )
-_NETWORK = re.compile(
+_NETWORK = linear(
     r"Connection closed by peer|Connection reset by peer|unhandled system error|ncclSystemError|ncclRemoteError|"
     r"remote process exited|NCCL WARN .*(?:failed|error)|Connection refused|Broken pipe|DistNetworkError",
-    re.I,
+    ignore_case=True,
 )
-_GPU_FAULT = re.compile(r"\bXid\b|uncorrectable ECC error|fallen off the bus|GPU is lost", re.I)
-_SEGFAULT = re.compile(r"Segmentation fault|Fatal Python error: Segmentation fault|SIGSEGV", re.I)
-_ABORT = re.compile(r"terminate called|Fatal Python error: Aborted|^Aborted\b|SIGABRT", re.I)
-_DISK_FULL = re.compile(r"No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]|\bENOSPC\b")
+_GPU_FAULT = linear(r"\bXid\b|uncorrectable ECC error|fallen off the bus|GPU is lost", ignore_case=True)
+_SEGFAULT = linear(r"Segmentation fault|Fatal Python error: Segmentation fault|SIGSEGV", ignore_case=True)
+_ABORT = linear(r"terminate called|Fatal Python error: Aborted|^Aborted\b|SIGABRT", ignore_case=True)
+_DISK_FULL = linear(r"No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]|\bENOSPC\b")
 # torch.save to a full disk names no errno: its zip writer finds fewer bytes written than it wrote.
-_TORCH_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed writing file|file write failed")
-_HANDLED_SIGNAL = re.compile(
+_TORCH_SHORT_WRITE = linear(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed writing file|file write failed")
+_HANDLED_SIGNAL = linear(
     r"(?:caught|received|got)\s+(?:signal[:\s]*(?P<number>\d+)\b|(?:signal\s+)?(?:Signals\.)?(?P<name>SIG[A-Z]+)\b)"
     r"|Received (?:(?P<death>\d+)|Signals\.(?P<deathname>SIG[A-Z]+)) death signal",
-    re.I,
+    ignore_case=True,
 )
-_ARGPARSE = re.compile(r"^(?P<prog>\S+): error: (?P<error>.+)$")
-_CLICK = re.compile(r"^Error: (?P<error>(?:Missing|No such|Invalid value|Got unexpected) .+)$")
-_USAGE = re.compile(r"^usage: ", re.I)
+_ARGPARSE = linear(r"^(?P<prog>\S+): error: (?P<error>.+)$")
+_CLICK = linear(r"^Error: (?P<error>(?:Missing|No such|Invalid value|Got unexpected) .+)$")
+_USAGE = linear(r"^usage: ", ignore_case=True)
 # The launch itself: the sandbox, the shell, the dynamic loader, an installer the job runs.
-_EXECVP = re.compile(r"^bwrap: execvp (?P<path>\S+): (?P<error>.+)$")
-_CHDIR = re.compile(r"^bwrap: Can't chdir to (?P<path>.+): (?P<error>.+)$")
-_BWRAP = re.compile(r"^(?:bwrap|setpriv): (?P<error>.+)$")
-_NOT_FOUND = re.compile(
+_EXECVP = linear(r"^bwrap: execvp (?P<path>\S+): (?P<error>.+)$")
+_CHDIR = linear(r"^bwrap: Can't chdir to (?P<path>.+): (?P<error>.+)$")
+_BWRAP = linear(r"^(?:bwrap|setpriv): (?P<error>.+)$")
+_NOT_FOUND = linear(
     r"^(?:\S*(?:bash|sh|zsh|dash)(?:: line \d+)?|/bin/sh: \d+): (?P<name>[^:\s]+): (?:command )?not found$"
     r"|^/usr/bin/env: '?(?P<env>[^':]+)'?: No such file or directory$"
 )
-_LOADER = re.compile(
+_LOADER = linear(
     r"error while loading shared libraries: (?P<lib>\S+): (?P<error>.+)|(?P<lib2>\S+\.so[\d.]*): cannot open shared "
     r"object file|undefined symbol: (?P<sym>\S+)|version `GLIBC\w*_[\d.]+' not found"
 )
-_NO_CUDA = re.compile(
-    r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|CUDA driver version is insufficient"
-)
-_INSTALLER = re.compile(
+_NO_CUDA = linear(r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|CUDA driver version is insufficient")
+_INSTALLER = linear(
     r"^ERROR: (?P<pip>Could not find a version that satisfies the requirement|No matching distribution found for"
     r"|Could not install packages|Failed building wheel|ResolutionImpossible)"
     r"|^error: (?P<uv>No solution found when resolving dependencies|Failed to (?:download|build|fetch|prepare)\b.*)"
 )
-INTERPRETERS = re.compile(r"^(?:python[\d.]*|pip[\d.]*|torchrun|accelerate|deepspeed|uv|conda|jupyter)$")
+INTERPRETERS = linear(r"^(?:python[\d.]*|pip[\d.]*|torchrun|accelerate|deepspeed|uv|conda|jupyter)$")
+_GOT_SIGNAL = linear(r"got signal: (\d+)")
+_NAN_WORD = linear(r"\b(?:nan|inf)\b", ignore_case=True)
+_NO_MODULE = linear(r"No module named '([^']+)'")
+_NO_NAME = linear(r"cannot import name '([^']+)' from '([^']+)'")
+_WARNED = linear(r":\d+: [A-Z]\w*Warning: ")
 
 
 def human(n: float) -> str:
@@ -160,7 +162,7 @@ def exception_signal(tb: Traceback, ending: Ending) -> Signal:
     if _DISK_FULL.search(text) or _TORCH_SHORT_WRITE.search(text):
         return disk_full_signal(tb.exc_line, f"{kind}: {message}{where}", evidence, bool(_DISK_FULL.search(text)))
     if kind == "KeyboardInterrupt" or (kind == "SignalException" and "got signal" in message):
-        number = re.search(r"got signal: (\d+)", message)
+        number = _GOT_SIGNAL.search(message)
         return interrupted_signal(tb.exc_line, f"{kind}{': ' + message if message else ''}{where}", evidence,
                                   int(number.group(1)) if number else signals.SIGINT)  # fmt: skip
     if kind in ("ModuleNotFoundError", "ImportError"):
@@ -174,12 +176,10 @@ def exception_signal(tb: Traceback, ending: Ending) -> Signal:
     if kind == "PermissionError":
         hint = "The job may not read or write that path: use its working directory, checkpoint dir or a writable volume"
         return Signal(PERMISSION, tb.exc_line, f"PermissionError: {message}{where}", hint, evidence)
-    if _NAN.search(text) or kind == "FloatingPointError" and re.search(r"\b(nan|inf)\b", message, re.I):
+    if _NAN.search(text) or kind == "FloatingPointError" and _NAN_WORD.search(message):
         return nan_signal(tb.exc_line, evidence, where)
-    if _COLLECTIVE_TIMEOUT.search(text):
-        return collective_signal(tb.exc_line, evidence)
-    if _NETWORK.search(text):
-        return network_signal(tb.exc_line, evidence)
+    if (follow_on := follow_on_signal(tb.exc_line, text, evidence)) is not None:
+        return follow_on
     return Signal(PYTHON_EXCEPTION, tb.exc_line, f"{kind}: {message}{where}", exception_hint(tb, ending), evidence)
 
 
@@ -210,8 +210,7 @@ def syntax_signal(tb: Traceback) -> Signal:
 
 
 def import_signal(tb: Traceback, kind: str, message: str, where: str, evidence: tuple) -> Signal:
-    missing = re.search(r"No module named '([^']+)'", tb.message)
-    name = re.search(r"cannot import name '([^']+)' from '([^']+)'", tb.message)
+    missing, name = _NO_MODULE.search(tb.message), _NO_NAME.search(tb.message)
     if name:
         hint = (
             f"{name.group(1)!r} is not in {name.group(2)!r}: fix the name, or pin the version of "
@@ -253,8 +252,12 @@ def host_oom_signal(line: Line, evidence: tuple, ending: Ending, where: str = ""
     figure = f": tried to allocate {size}" if size else ""
     if tried and tried["size"]:
         figure = f": Unable to allocate {size}"
-    limit = f" (its limit is {ending.memory_limit_mb} MiB)" if ending.memory_limit_mb else ""
-    return Signal(HOST_OOM, line, f"host memory exhausted{figure}{limit}{where}", HOST_OOM_HINT, evidence)
+    summary = f"host memory exhausted{figure}{memory_limit(ending)}{where}"
+    return Signal(HOST_OOM, line, summary, HOST_OOM_HINT, evidence)
+
+
+def memory_limit(ending: Ending) -> str:
+    return f" (its memory limit is {ending.memory_limit_mb} MiB)" if ending.memory_limit_mb else ""
 
 
 def worker_killed_signal(line: Line, how: str, evidence: tuple) -> Signal:
@@ -293,6 +296,19 @@ def interrupted_signal(line: Line, summary: str, evidence: tuple, number: int, c
     return Signal(INTERRUPTED, line, summary, hint, evidence or (line,), confidence)
 
 
+def killed_signal(number: int, how: str, line: Line, evidence: tuple, ending: Ending) -> Signal | None:
+    """A process killed by signal `number` with nothing in its output to say more: what most likely
+    sent it. `how` says how it ended (the summary's start)."""
+    if number == signals.SIGKILL:
+        summary = f"{how}: most likely the kernel's OOM killer{memory_limit(ending)}"
+        return Signal(HOST_OOM, line, summary, HOST_OOM_HINT, evidence, "medium")
+    if number == signals.SIGSEGV:
+        return Signal(SEGFAULT, line, f"{how}: segmentation fault", segfault_signal(None).hint, evidence)
+    if number in (signals.SIGTERM, signals.SIGINT, signals.SIGHUP):
+        return interrupted_signal(line, how, evidence, number, "medium")
+    return None
+
+
 def signal_name(number: int) -> str:
     try:
         return signals.Signals(number).name
@@ -308,21 +324,26 @@ def nan_signal(line: Line, evidence: tuple, where: str = "") -> Signal:
     return Signal(NAN_LOSS, line, f"NaN/Inf loss: {first_line(line.text)}{where}", hint, evidence or (line,))
 
 
-def collective_signal(line: Line, evidence: tuple) -> Signal:
-    hint = (
+# The FOLLOW_ON errors, in the order they are looked for: how each is recognised, said and answered.
+_FOLLOW_ONS = (
+    (COLLECTIVE_TIMEOUT, _COLLECTIVE_TIMEOUT, "collective timed out", (
         "A collective (all_reduce, barrier, ...) waited for a rank that never joined: look at the other ranks' "
         "logs for the one that failed or was late; every rank must call the same collectives in the same order. "
         "Raise the process group's timeout only if a step is legitimately that slow"
-    )
-    return Signal(COLLECTIVE_TIMEOUT, line, f"collective timed out: {first_line(line.text)}", hint, evidence or (line,))
-
-
-def network_signal(line: Line, evidence: tuple) -> Signal:
-    hint = (
+    )),
+    (NETWORK_ERROR, _NETWORK, "communication error", (
         "The rank lost its connection to a peer: when another rank failed first, fix that rank's error; "
         "otherwise the network between the nodes may be at fault (rerun with NCCL_DEBUG=INFO)"
-    )
-    return Signal(NETWORK_ERROR, line, f"communication error: {first_line(line.text)}", hint, evidence or (line,))
+    )),
+)  # fmt: skip
+
+
+def follow_on_signal(line: Line, text: str, evidence: tuple = ()) -> Signal | None:
+    """A collective that timed out or a lost peer, as `text` (the line's, or its exception's) says."""
+    for category, pattern, what, hint in _FOLLOW_ONS:
+        if pattern.search(text):
+            return Signal(category, line, f"{what}: {first_line(line.text)}", hint, evidence or (line,))
+    return None
 
 
 def gpu_hint() -> str:
@@ -389,7 +410,8 @@ def environment_hint(text: str) -> str:
 def launch_signal(line: Line, text: str, ending: Ending) -> Signal | None:
     """The launch could not start the program: the sandbox, the shell or the loader says so."""
     if match := _EXECVP.match(text):
-        return environment_signal(line, f"the job could not be started: {text}", execvp_hint(match))
+        hint = execvp_hint(match["path"], match["error"])
+        return environment_signal(line, f"the job could not be started: {text}", hint)
     if match := _CHDIR.match(text):
         hint = (
             f"The job's working directory {match['path']} does not exist or the job's uid cannot enter it "
@@ -422,8 +444,7 @@ def launched_program(name: str, command: tuple[str, ...]) -> bool:
     return name.rsplit("/", 1)[-1] in programs
 
 
-def execvp_hint(match: re.Match) -> str:
-    path, error = match["path"], match["error"]
+def execvp_hint(path: str, error: str) -> str:
     program = "interpreter" if INTERPRETERS.match(path.rsplit("/", 1)[-1]) else "program"
     if "/" not in path:
         return (
@@ -507,10 +528,8 @@ def single_line_signal(line: Line, text: str, lines: list[Line], i: int, ending:
         return segfault_signal(line)
     if _ABORT.search(text):
         return abort_signal(line, lines, ending)
-    if _COLLECTIVE_TIMEOUT.search(text):
-        return collective_signal(line, (line,))
-    if _NETWORK.search(text):
-        return network_signal(line, (line,))
+    if (follow_on := follow_on_signal(line, text)) is not None:
+        return follow_on
     if handled := _HANDLED_SIGNAL.search(text):
         number = signal_number(next(v for v in handled.groupdict().values() if v))
         if number in (signals.SIGTERM, signals.SIGINT, signals.SIGHUP, signals.SIGQUIT):
@@ -551,7 +570,7 @@ def usage_signal(line: Line, text: str, lines: list[Line], i: int) -> Signal | N
 # --- one rank --------------------------------------------------------------------------------------
 
 
-def rank_signals(lines: list[Line], ending: Ending, files: dict[str, str] | None = None) -> list[Signal]:
+def rank_signals(lines: list[Line], ending: Ending, files: Sources | None = None) -> list[Signal]:
     """Every root cause and follow-on error seen in one rank's lines (in seq order). A printed NaN
     counts only when nothing else on the rank ended the run (an exception, a crash, a message)."""
     found = scan(lines)
@@ -592,7 +611,7 @@ def without_follow_on_aborts(found: list[Signal]) -> list[Signal]:
 
 # What programs print to stderr that is no message of theirs: warnings, progress bars, log lines
 # below ERROR (Python's logging, glog's I/W prefixes).
-_NOT_A_MESSAGE = re.compile(
+_NOT_A_MESSAGE = linear(
     r"\w*Warning: |^warnings\.warn|^\[?[IWD]\d{4} |\d+%\||\bit/s\]|s/it\]|\r"
     r"|^(?:\[?\d{4}-\d\d-\d\d[^\]]*\]?\s*)?\[?(?:INFO|DEBUG|WARNING|WARN|TRACE)\b"
 )
@@ -613,5 +632,5 @@ def last_message(lines: list[Line], skip: set[int]) -> Line | None:
 
 def scanned_skip(lines: list[Line]) -> set[int]:
     found = scan(lines)
-    warned = {x.seq for x in lines if re.search(r":\d+: [A-Z]\w*Warning: ", strip(x.text))}
+    warned = {x.seq for x in lines if _WARNED.search(strip(x.text))}
     return found.inside | found.echoes | warned

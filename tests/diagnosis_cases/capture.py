@@ -40,7 +40,7 @@ class Case:
     summary: str = ""  # a phrase the summary must hold
     hint: str = ""  # and one the hint must
     command: tuple[str, ...] = (PY, "train.py")
-    script: bool = True  # scripts/<name>.py is the job's train.py
+    script: str | None = ""  # the job's train.py is scripts/<script or name>.py; None: it has none
     files: dict = field(default_factory=dict)  # the job's other files: relative path -> text
     world: int = 1
     sandbox: bool = False
@@ -140,20 +140,21 @@ CASES = [
     Case("gloo_timeout", "collective_timeout", 0, "Timed out waiting 3000ms", "same collectives", world=2),
     Case("gloo_abort_after_destroy", "abort", 1, "aborted at exit after its last output", "dist.barrier()", world=2),
     # --- Python's own errors -----------------------------------------------------------------
-    Case("syntax_error_nan", "syntax_error", 0, "train.py:5", "Fix the syntax", script=False,
+    Case("syntax_error_nan", "syntax_error", 0, "train.py:5", "Fix the syntax", script=None,
          files={"train.py": SYNTAX_NAN}),
     Case("syntax_error_in_module", "syntax_error", 0, "model.py:3", "model.py",
          files={"model.py": "def build(width):\n    layers = [width] * 4\n    return layers[0 if width else nan]]\n"}),
-    Case("indentation_error", "syntax_error", 0, "IndentationError", "train.py:5", script=False,
+    Case("indentation_error", "syntax_error", 0, "IndentationError", "train.py:5", script=None,
          files={"train.py": INDENTATION}),
     Case("nanogpt_config_nameerror", "python_exception", 0, "config/train_shakespeare_char.py:14",
          "warmup_ratio", command=(PY, "train.py", "config/train_shakespeare_char.py", "--device=cpu"),
+         script="nanogpt_train",
          files={"configurator.py": CONFIGURATOR, "config/train_shakespeare_char.py": NANO_CONFIG_NAMEERROR}),
     Case("nanogpt_config_syntax", "syntax_error", 0, "config/train_shakespeare_char.py:5", "init_from = 'scratch",
-         command=(PY, "train.py", "config/train_shakespeare_char.py"),
+         command=(PY, "train.py", "config/train_shakespeare_char.py"), script="nanogpt_train",
          files={"configurator.py": CONFIGURATOR, "config/train_shakespeare_char.py": NANO_CONFIG_SYNTAX}),
     Case("nanogpt_unknown_key", "python_exception", 0, "Unknown config key: lr", "configurator.py",
-         command=(PY, "train.py", "--lr=0.1"), files={"configurator.py": CONFIGURATOR}),
+         command=(PY, "train.py", "--lr=0.1"), script="nanogpt_train", files={"configurator.py": CONFIGURATOR}),
     Case("zero_division", "python_exception", 0, "ZeroDivisionError", "train.py:3 in mean"),
     Case("assertion_error", "python_exception", 0, "AssertionError", "train.py:6"),
     Case("recursion_error", "python_exception", 0, "RecursionError", "recursion"),
@@ -176,7 +177,7 @@ CASES = [
     # --- the disk --------------------------------------------------------------------------------
     Case("disk_full_write", "disk_full", 0, "No space left on device", "disk", setup=("tmpfs",)),
     Case("disk_full_torch_save", "disk_full", 0, "unexpected pos", "disk", setup=("tmpfs",)),
-    Case("disk_full_shell", "disk_full", 0, "No space left on device", "disk", script=False, setup=("tmpfs",),
+    Case("disk_full_shell", "disk_full", 0, "No space left on device", "disk", script=None, setup=("tmpfs",),
          command=("bash", "-c", "echo saving && head -c 1000000 /dev/zero > out/ckpt.bin && echo done")),
     # --- signals the job handled, its own exits ----------------------------------------------------
     Case("sigterm_default", "interrupted", None, "SIGTERM", "SIGTERM", send=(signal.SIGTERM, "step 3")),
@@ -190,24 +191,24 @@ CASES = [
          command=(PY, "train.py", "--optim", "adamw8")),
     Case("abort_single", "abort", None, "SIGABRT", "SIGABRT"),
     # --- the environment: the launch, the interpreter, the libraries --------------------------------
-    Case("env_bwrap_execvp_missing", "environment", 0, "/nonexistent/.venv/bin/python", "interpreter", script=False,
+    Case("env_bwrap_execvp_missing", "environment", 0, "/nonexistent/.venv/bin/python", "interpreter", script=None,
          sandbox=True, command=("/nonexistent/.venv/bin/python", "train.py")),
     Case("env_interpreter_under_root", "environment", 0, "Permission denied", "job's uid", sandbox=True,
-         command=(PY, "train.py")),
+         command=(PY, "train.py"), script="never_runs"),
     Case("env_python_on_pyenv_path", "environment", 0, "execvp python: Permission denied", "PATH", sandbox=True,
-         command=("python", "train.py"), path="/root/.pyenv/shims:/usr/local/bin:/usr/bin:/bin"),
+         command=("python", "train.py"), script="never_runs", path="/root/.pyenv/shims:/usr/local/bin:/usr/bin:/bin"),
     Case("env_command_not_found", "environment", 0, "python: command not found", "python", sandbox=True,
-         command=("bash", "-c", "python train.py"), path="/usr/local/bin:/usr/bin:/bin"),
+         command=("bash", "-c", "python train.py"), script="never_runs", path="/usr/local/bin:/usr/bin:/bin"),
     Case("env_missing_workdir", "environment", 0, "Can't chdir", "working directory", sandbox=True,
-         command=("python3", "train.py"), chdir="gone", path="/usr/bin:/bin"),
+         command=("python3", "train.py"), script="never_runs", chdir="gone", path="/usr/bin:/bin"),
     Case("env_torch_no_cuda", "environment", 0, "Torch not compiled with CUDA enabled", "CUDA build"),
-    Case("env_shared_library", "environment", 0, "libhangar_demo.so", "shared library", script=False,
+    Case("env_shared_library", "environment", 0, "libhangar_demo.so", "shared library", script=None,
          command=("./app",), setup=("shared_lib",)),
     Case("env_ctypes_library", "environment", 0, "libcudart.so.99", "shared library"),
     Case("env_pip_no_match", "environment", 0, "satisfies the requirement nonexistent-package-hangar",
-         "requirements", script=False,
+         "requirements", script=None,
          command=(PY, "-m", "pip", "install", "--no-index", "--target", "deps", "nonexistent-package-hangar")),
-    Case("env_uv_unsatisfiable", "environment", 0, "No solution found", "requirements", script=False,
+    Case("env_uv_unsatisfiable", "environment", 0, "No solution found", "requirements", script=None,
          command=("uv", "pip", "install", "--offline", "--target", "deps", "torch==9.9.9")),
 ]  # fmt: skip
 
@@ -240,8 +241,8 @@ class Output:
 
 def prepare(case: Case, workdir: Path, scratch: Path) -> dict[str, str]:
     """The job's files and what the case's setup needs; the variables it adds."""
-    if case.script:
-        shutil.copy(HERE / "scripts" / f"{case.name}.py", workdir / "train.py")
+    if (script := script_of(case)) is not None:
+        shutil.copy(script, workdir / "train.py")
     for name, text in case.files.items():
         (workdir / name).parent.mkdir(parents=True, exist_ok=True)
         (workdir / name).write_text(text)
@@ -267,6 +268,15 @@ def prepare(case: Case, workdir: Path, scratch: Path) -> dict[str, str]:
         for path in [workdir, *workdir.rglob("*")]:
             os.chown(path, JOB_UID, JOB_UID)
     return env
+
+
+def script_of(case: Case) -> Path | None:
+    return None if case.script is None else HERE / "scripts" / f"{case.script or case.name}.py"
+
+
+def expectation(case: Case) -> dict:
+    """What the diagnosis must say of the case (its file's `expect`)."""
+    return {"category": case.category, "rank": case.rank, "summary": case.summary, "hint": case.hint}
 
 
 def memory_cgroup(name: str) -> Path:
@@ -356,13 +366,12 @@ def record(case: Case, workdir: Path, out: Output, exits: dict) -> dict:
     lines = sorted(out.lines, key=lambda line: line["t"])
     for seq, line in enumerate(lines, 1):
         line["seq"] = seq
-    files = {name: text for name, text in case.files.items()}
-    if case.script:
-        files["train.py"] = (HERE / "scripts" / f"{case.name}.py").read_text()
-    expect = {"category": case.category, "rank": case.rank, "summary": case.summary, "hint": case.hint}
+    files = dict(case.files)
+    if (script := script_of(case)) is not None:
+        files["train.py"] = script.read_text()
     return {
         "name": case.name,
-        "expect": expect,
+        "expect": expectation(case),
         "command": ["python" if part == PY else part for part in case.command],
         "world_size": case.world,
         "workdir": str(workdir),
@@ -386,7 +395,7 @@ def rewrite_expectations() -> None:
     for case in CASES:
         path = HERE / f"{case.name}.json"
         found = json.loads(path.read_text())
-        found["expect"] = {"category": case.category, "rank": case.rank, "summary": case.summary, "hint": case.hint}
+        found["expect"] = expectation(case)
         path.write_text(json.dumps(found, indent=1) + "\n")
 
 

@@ -1,1 +1,0 @@
-print("never printed: the interpreter cannot be run")
