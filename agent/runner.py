@@ -236,7 +236,7 @@ class Runner:
         # Its process group is gone: a rank waiting for these GPUs may start now, while this
         # one writes its outcome (the hand-off from one short job to the next).
         running.release(self.attempt.pk)
-        self.record_exit(exit_code)
+        last_exit = self.record_exit(exit_code)
         # A Ray job's outcome is its driver's (rank 0): the other ranks' Ray nodes never end by themselves.
         others_running = outcome.state == AttemptState.SUCCEEDED and self.current and self.world_size > 1
         others_running = others_running and not (self.ray and self.rank == 0)
@@ -245,22 +245,24 @@ class Runner:
             self.writer.close()  # the lease is kept meanwhile (keep_lease)
             return
         self.writer.close()  # the lease is kept meanwhile (keep_lease)
+        ended = outcome.state, outcome.failure_class, outcome.reason, exit_code
         if not self.current:
             log.warning("attempt %s ended elsewhere or lost its lease; rank %s stopped", self.attempt.pk, self.rank)
-            return
-        ended = outcome.state, outcome.failure_class, outcome.reason, exit_code
-        if not self.record(lambda: self.attempt.finish(*ended)):
+        elif self.record(lambda: self.attempt.finish(*ended)):
+            return  # its end diagnoses it (jobs/diagnosing.py), with every exit recorded so far
+        else:
             log.warning("attempt %s was ended elsewhere; outcome %s dropped", self.attempt.pk, outcome.state)
-
-    def record_exit(self, exit_code: int | None) -> None:
-        """A failed rank of a multi-node attempt records its exit (code, time, whether the agent
-        had stopped it) for the diagnosis; the last one to do so has it diagnosed again, with all
-        of them (the first diagnosis ran at the attempt's end, before the other ranks reported)."""
-        if self.world_size == 1 or self.proc is None or exit_code in (None, 0) or self.exited_at is None:
-            return
-        stopped = self.stopping
-        if self.record(lambda: self.attempt.rank_exited(self.rank, exit_code, self.exited_at, stopped)):
+        if last_exit:  # ended by another rank: diagnosed again with this one's exit and lines, now stored
             diagnosing.store(self.attempt.pk)
+
+    def record_exit(self, exit_code: int | None) -> bool:
+        """A failed rank of a multi-node attempt records its exit (code, time, whether the agent
+        had stopped it) for the diagnosis, which orders ranks by it; True when it was the last
+        rank's to record (the first diagnosis ran at the attempt's end, before it reported)."""
+        if self.world_size == 1 or self.proc is None or exit_code in (None, 0) or self.exited_at is None:
+            return False
+        stopped = self.stopping
+        return self.record(lambda: self.attempt.rank_exited(self.rank, exit_code, self.exited_at, stopped))
 
     def record(self, write: Callable[[], bool]) -> bool:
         """Write this rank's outcome, retrying while the database fails: an outcome lost
