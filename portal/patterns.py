@@ -30,7 +30,7 @@ def compile_user_pattern(text: str, field: str = "q", regex: bool = True, ignore
     if len(text) > MAX_PATTERN_CHARS:
         raise PatternError(field, f"is {len(text)} characters long; use at most {MAX_PATTERN_CHARS}")
     try:
-        return _compile(text if regex else re2.escape(text), ignore_case)
+        return linear(text if regex else re2.escape(text), ignore_case)
     except re2.error as exc:
         reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
         if "too large" in reason or "repetition size" in reason:
@@ -43,7 +43,9 @@ def compile_user_pattern(text: str, field: str = "q", regex: bool = True, ignore
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(pattern: str, ignore_case: bool):
+def linear(pattern: str, ignore_case: bool = False):
+    """`pattern` compiled by RE2, linear in what it reads whatever the pattern: for users' patterns
+    (compile_user_pattern checks them first) and for Hangar's own over text a job wrote."""
     options = re2.Options()
     options.max_mem = MAX_PROGRAM_BYTES
     options.log_errors = False
@@ -56,7 +58,7 @@ def sqlite_regexp(pattern: str | None, string) -> bool | None:
     if pattern is None or string is None:
         return None
     ignore_case = pattern.startswith("(?i)")
-    compiled = _compile(pattern[4:] if ignore_case else pattern, ignore_case)
+    compiled = linear(pattern[4:] if ignore_case else pattern, ignore_case)
     return compiled.search(string if isinstance(string, str) else str(string)) is not None
 
 

@@ -203,27 +203,6 @@ def test_a_command_the_agent_could_not_start_is_the_environments():
     assert "No such file or directory" in found.summary and "PATH" in found.hint
 
 
-@pytest.mark.parametrize(
-    ("name", "said"),
-    [
-        ("env_bwrap_execvp_missing", "bwrap: execvp /nonexistent/.venv/bin/python: No such file or directory"),
-        ("env_python_on_pyenv_path", "bwrap: execvp python: Permission denied"),
-        ("env_command_not_found", "python: command not found"),
-        ("env_shared_library", "./app: error while loading shared libraries: libhangar_demo.so: cannot open shared "
-         "object file: No such file or directory"),
-        ("other_program_missing", None),  # a tool the script calls, not the command's own program
-        ("key_error", None),
-    ],
-)  # fmt: skip
-def test_the_agent_can_tell_a_launch_that_never_started_the_program(name, said):
-    case = cases.load(name)
-    texts = [x["text"] for x in case["lines"] if x["stream"] == "stderr"][:20]
-
-    found = diagnosis.launch_error(texts, tuple(case["command"]))
-
-    assert found == said if said is None else said in found
-
-
 def test_a_silent_exit_127_is_the_environments_with_medium_confidence():
     found = diagnose([], Ending(exit_code=127))
 

@@ -47,7 +47,6 @@ from jobs.diagnosis.signals import (
     gpu_hint,
     killed_signal,
     last_message,
-    launch_signal,
     not_found_hint,
     rank_signals,
     scanned_skip,
@@ -56,7 +55,7 @@ from jobs.diagnosis.signals import (
 
 __all__ = [
     "CATEGORIES", "Diagnosis", "Ending", "Event", "Hang", "Line", "RankExit", "diagnose", "hang_suspected",
-    "launch_error", "short_path", "step_of", "straggling", "wanted_files",
+    "short_path", "step_of", "straggling", "wanted_files",
 ]  # fmt: skip
 
 TIMEOUT = "timeout"
@@ -349,21 +348,6 @@ def launch_failure(lines: list[Line], ending: Ending) -> Diagnosis | None:
             "(outside /root and other private homes), or a Hangar environment (requirements)"
         )
     return Diagnosis(ENVIRONMENT, summary, hint, "high", line.rank, [ref(line)])
-
-
-def launch_error(texts: list[str], command: tuple[str, ...] = ()) -> str | None:
-    """The line, among a rank's first lines of output, saying its command could not be started
-    at all (the sandbox's execvp or chdir, the shell's `not found` for the command's own program,
-    the loader's missing library): for the agent to end such an attempt as the infrastructure's."""
-    ending = Ending(command=command)
-    for seq, text in enumerate(texts, 1):
-        found = launch_signal(Line(seq, text, stream="stderr"), strip(text), ending)
-        if found is not None and not found.weak:
-            return strip(text)
-    return None
-
-
-# --- what the exit status says ----------------------------------------------------------------------
 
 
 def by_exit_status(by_rank: dict[int, list[Line]], ending: Ending, exits: Mapping[int, RankExit],

@@ -10,15 +10,7 @@ from dataclasses import dataclass, field
 
 import re2
 
-
-def linear(pattern: str, ignore_case: bool = False) -> re2._Regexp:
-    """A recogniser's pattern, run by RE2: what it reads is the job's own output, and `re`
-    backtracks (a line a job crafts holds the process, and every other thread of the agent, for
-    as long as the job likes). RE2 is linear in the line, whatever the pattern."""
-    options = re2.Options()
-    options.case_sensitive = not ignore_case
-    return re2.compile(pattern, options)
-
+from portal.patterns import linear  # RE2: a line a job crafts cannot hold the reader (re backtracks)
 
 _RANK_PREFIX = linear(r"^\[rank\d+\]:\s?")
 _FRAME = linear(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?\s*$')
