@@ -235,7 +235,7 @@ def acting_refusal(user, token_id: int | None, project) -> str | None:
     token = ApiToken.objects.filter(pk=token_id).first() if token_id else None
     state = "" if not token_id else "deleted" if token is None else "revoked" if token.revoked_at else "active"
     if token is not None:
-        user.api_token_id, user.token_project_id, user.token_read_only = token.pk, token.project_id, token.read_only
+        token.limit(user)
     acting = Acting(
         username=user.username,
         user_active=user.is_active,

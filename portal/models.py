@@ -231,10 +231,13 @@ class ApiToken(models.Model):
         # not turn every read into a database write.
         if token.last_used_at is None or now - token.last_used_at > timedelta(minutes=1):
             cls.objects.filter(pk=token.pk).update(last_used_at=now)
-        token.user.token_project_id = token.project_id
-        token.user.token_read_only = token.read_only
-        token.user.api_token_id = token.pk  # submit_job counts the job against this token's limits
+        token.limit(token.user)
         return token
+
+    def limit(self, user) -> None:
+        """Put this token's limits on `user` (its project, read-only, and its id: submit_job counts
+        the job against the token's limits), as every request made with it has them."""
+        user.token_project_id, user.token_read_only, user.api_token_id = self.project_id, self.read_only, self.pk
 
     @property
     def limits(self) -> dict:
