@@ -82,20 +82,26 @@ def redact(rows, user, evidence_is_dict: bool = True) -> list:
 
 def redact_history(history, user) -> list:
     """Cordon history rows: an automatic cordon's evidence names the health event it came from."""
-    from fleet.models import HealthEvent
-
     history = list(history)
-    event_ids = {(h.detail.get("evidence") or {}).get("health_event") for h in history if isinstance(h.detail, dict)}
-    attempts = dict(HealthEvent.objects.filter(pk__in=event_ids - {None}).values_list("pk", "attempt_id"))
-    cited = set().union(*(attempt_refs(h.detail) for h in history)) if history else set()
-    readable = readable_attempts(user, set(attempts.values()) | cited)
-    for row in history:
-        evidence = row.detail.get("evidence") if isinstance(row.detail, dict) else None
-        if not isinstance(evidence, dict):
-            continue
-        evidence = scrubbed(evidence, readable)
-        attempt_id = attempts.get(evidence.get("health_event"))
-        if attempt_id and attempt_id not in readable:
-            evidence = redacted(evidence)
+    rows = [row for row in history if isinstance(row.detail, dict) and isinstance(row.detail.get("evidence"), dict)]
+    seen = redact_cordon_evidence([row.detail["evidence"] for row in rows], user)
+    for row, evidence in zip(rows, seen, strict=True):
         row.detail = {**row.detail, "evidence": evidence}
     return history
+
+
+def redact_cordon_evidence(evidences: list[dict], user) -> list[dict]:
+    """Cordons' evidence as `user` may see it (a node page's history, a node.cordoned webhook):
+    what another project's attempt printed, and its ids, replaced."""
+    from fleet.models import HealthEvent
+
+    event_ids = {evidence.get("health_event") for evidence in evidences}
+    attempts = dict(HealthEvent.objects.filter(pk__in=event_ids - {None}).values_list("pk", "attempt_id"))
+    cited = set().union(*(attempt_refs(evidence) for evidence in evidences)) if evidences else set()
+    readable = readable_attempts(user, set(attempts.values()) | cited)
+    out = []
+    for evidence in evidences:
+        seen = scrubbed(evidence, readable)
+        attempt_id = attempts.get(seen.get("health_event"))
+        out.append(redacted(seen) if attempt_id and attempt_id not in readable else seen)
+    return out

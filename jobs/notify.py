@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 
 import httpx
 from django.conf import settings
@@ -253,9 +252,10 @@ def node_payload(node: Node, audit: AuditEvent, event: str) -> dict:
 
 def seen_by(user, payload: dict) -> dict:
     """A node event's payload with its evidence redacted as the node page redacts it for `user`."""
-    row = SimpleNamespace(detail={"evidence": payload["node"]["evidence"]})
-    (row,) = fleet_evidence.redact_history([row], user)
-    return {**payload, "node": {**payload["node"], "evidence": row.detail["evidence"]}}
+    evidence = payload["node"]["evidence"]
+    if isinstance(evidence, dict):
+        (evidence,) = fleet_evidence.redact_cordon_evidence([evidence], user)
+    return {**payload, "node": {**payload["node"], "evidence": evidence}}
 
 
 def budget_payload(budget: Budget, status, threshold: int, day) -> dict:
